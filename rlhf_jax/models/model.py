@@ -1,0 +1,123 @@
+"""A model as pure functions: shardings before allocation, a full-sequence forward, a decode step.
+
+    model = Model(load_model_config(path))
+    params = model.init(rng, mesh, rules)           # born sharded, never whole on one device
+    logits = model.forward(params, ids, mask)       # [B, T, V], left padding allowed
+    logits, cache = model.decode(params, ids, pos, cache, write_index)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from rlhf_jax.mesh import Rules, tree_shardings
+from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.models.transformer import CausalLM, KVCache, ValueModel
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+CACHE_AXES = ("layers", "cache_batch", "cache_length", "cache_heads", "head_dim")
+
+
+def positions_from_mask(attention_mask_bt):
+    """RoPE positions of a left-padded batch: 0 at the first real token, 0 on padding."""
+    return jnp.maximum(jnp.cumsum(attention_mask_bt.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def causal_mask(attention_mask_bt):
+    """[B, T, T] bool: query t sees key s iff s <= t and s is a real token."""
+    t = attention_mask_bt.shape[-1]
+    causal_tt = jnp.tril(jnp.ones((t, t), dtype=bool))
+    return causal_tt[None] & attention_mask_bt.astype(bool)[:, None, :]
+
+
+def cache_mask(write_index_b, t: int, s: int, kv_mask_bs=None):
+    """[B, T, S] bool for T new tokens written at `write_index`: keys up to each query."""
+    query_bt = write_index_b[:, None] + jnp.arange(t)[None]
+    mask_bts = jnp.arange(s)[None, None, :] <= query_bt[:, :, None]
+    if kv_mask_bs is not None:
+        mask_bts &= kv_mask_bs.astype(bool)[:, None, :]
+    return mask_bts
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A causal LM (`kind="lm"`) or a value model (`kind="value"`) of one architecture."""
+
+    cfg: ModelConfig
+    kind: str = "lm"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: bool = False
+
+    @property
+    def module(self) -> nn.Module:
+        cls = {"lm": CausalLM, "value": ValueModel}[self.kind]
+        return cls(self.cfg, DTYPES[self.dtype], DTYPES[self.param_dtype], self.remat)
+
+    def _init_boxed(self, rng):
+        ids = jnp.zeros((1, 1), jnp.int32)
+        return self.module.init(rng, ids, ids, jnp.ones((1, 1, 1), bool))["params"]
+
+    def logical_axes(self):
+        """Tree of logical-name tuples, one per parameter."""
+        boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
+        boxed_type = nn.LogicallyPartitioned
+        return jax.tree.map(
+            lambda x: tuple(x.names) if isinstance(x, boxed_type) else (None,) * x.ndim,
+            boxed, is_leaf=lambda x: isinstance(x, boxed_type),
+        )
+
+    def abstract_params(self):
+        """Tree of `jax.ShapeDtypeStruct`, computed without allocating anything."""
+        return nn.meta.unbox(jax.eval_shape(self._init_boxed, jax.random.key(0)))
+
+    def shardings(self, mesh, rules: Rules):
+        """`NamedSharding` of every parameter on `mesh` under `rules` (train or generate)."""
+        return tree_shardings(self.logical_axes(), self.abstract_params(), mesh, rules)
+
+    def init(self, rng, mesh, rules: Rules):
+        """Random parameters, created directly in their sharded layout."""
+        init = jax.jit(
+            lambda r: nn.meta.unbox(self._init_boxed(r)), out_shardings=self.shardings(mesh, rules)
+        )
+        return init(rng)
+
+    def forward(self, params, input_ids_bt, attention_mask_bt):
+        """Full-sequence forward of a (left-)padded batch: logits [B,T,V] or values [B,T]."""
+        out, _ = self.module.apply(
+            {"params": params}, input_ids_bt, positions_from_mask(attention_mask_bt),
+            causal_mask(attention_mask_bt),
+        )
+        return out
+
+    def init_cache(self, batch: int, length: int, dtype: Any = None) -> KVCache:
+        """Zeros of shape [L, B, S, K, H] in the compute dtype."""
+        c = self.cfg
+        shape = (c.num_hidden_layers, batch, length, c.num_key_value_heads, c.head_dim)
+        dt = DTYPES[self.dtype] if dtype is None else dtype
+        return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+
+    def decode(self, params, input_ids_bt, positions_bt, cache: KVCache, write_index_b,
+               kv_mask_bs=None):
+        """Runs T new tokens against the cache; each row writes at its own `write_index`.
+
+        Args:
+          input_ids_bt: [B, T] new tokens (T = 1 while generating, the bucket for a prefill).
+          positions_bt: [B, T] their RoPE positions.
+          cache: `KVCache` with S >= write_index + T.
+          write_index_b: [B] where row b's new keys go; earlier cache rows are its context.
+          kv_mask_bs: optional [B, S] extra key validity (e.g. left padding inside the cache).
+
+        Returns:
+          (logits [B, T, V] float32, the updated cache).
+        """
+        assert self.kind == "lm", "decode needs a causal LM"
+        mask_bts = cache_mask(write_index_b, input_ids_bt.shape[1], cache.k.shape[2], kv_mask_bs)
+        return self.module.apply(
+            {"params": params}, input_ids_bt, positions_bt, mask_bts, cache, write_index_b
+        )
