@@ -1,0 +1,98 @@
+"""Host-side batch arithmetic: shuffle, split into mini- and micro-batches, place on the mesh.
+
+A PPO batch of N sequences becomes `[U, K, m, ...]`: U = ppo_epochs x N / M optimizer updates
+(M = mini-batch sequences), each of K = M / m micro-batches of m = micro-per-device x dp rows.
+The arrangement is done on host with numpy (the arrays are a few bytes per token), so the
+compiled update only scans; the micro-batch axis `m` is the one sharded over the batch axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rlhf_jax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How N sequences are walked by one PPO update."""
+
+    n_rows: int
+    mini_batch: int  # sequences per optimizer update (M)
+    micro_batch: int  # rows per micro-batch, all devices together (m)
+    epochs: int = 1
+    shuffle: bool = True
+
+    def __post_init__(self):
+        if self.n_rows % self.mini_batch or self.mini_batch % self.micro_batch:
+            raise ConfigError(
+                f"{self.n_rows} sequences cannot be split into mini-batches of {self.mini_batch} "
+                f"and micro-batches of {self.micro_batch}"
+            )
+
+    @property
+    def updates(self) -> int:
+        return self.epochs * (self.n_rows // self.mini_batch)
+
+    @property
+    def micro_per_update(self) -> int:
+        return self.mini_batch // self.micro_batch
+
+    def order(self, seed: int) -> np.ndarray:
+        """Row indices `[U, K, m]`: a fresh permutation per epoch when shuffling."""
+        rng = np.random.default_rng(seed)
+        rows = [
+            rng.permutation(self.n_rows) if self.shuffle else np.arange(self.n_rows)
+            for _ in range(self.epochs)
+        ]
+        return np.concatenate(rows).reshape(self.updates, self.micro_per_update, self.micro_batch)
+
+
+def chunked(x: np.ndarray, chunk: int) -> np.ndarray:
+    """`[N, ...] -> [N / chunk, chunk, ...]` for micro-batched forward passes."""
+    if x.shape[0] % chunk:
+        raise ConfigError(f"batch of {x.shape[0]} rows is not a multiple of the chunk {chunk}")
+    return x.reshape(x.shape[0] // chunk, chunk, *x.shape[1:])
+
+
+def unchunk(x):
+    return x.reshape(-1, *x.shape[2:])
+
+
+def micro_sharding(mesh, batch_axes: tuple[str, ...], ndim: int, lead: int) -> NamedSharding:
+    """Sharding of `[lead axes..., m, ...]`: the micro-batch axis over the batch mesh axes."""
+    axis = None if not batch_axes else batch_axes[0] if len(batch_axes) == 1 else batch_axes
+    return NamedSharding(mesh, P(*([None] * lead), axis, *([None] * (ndim - lead - 1))))
+
+
+def put(tree, mesh, batch_axes: tuple[str, ...], lead: int):
+    """Places host arrays on the mesh with `micro_sharding`; each process gives its own rows."""
+
+    def one(x):
+        x = np.asarray(x)
+        sharding = micro_sharding(mesh, batch_axes, x.ndim, lead)
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        shape = list(x.shape)
+        shape[lead] *= jax.process_count()
+        return jax.make_array_from_process_local_data(sharding, x, tuple(shape))
+
+    return jax.tree.map(one, tree)
+
+
+def fetch(tree):
+    """Device arrays back to host numpy (gathered across processes when needed)."""
+
+    def one(x):
+        if jax.process_count() > 1 and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)

@@ -1,0 +1,303 @@
+"""Cross-field rules of the config: derived defaults, ranges, and the batch arithmetic.
+
+Everything that can be checked without devices runs when a `Config` is built;
+`validate_batch_arithmetic` needs the mesh's data-parallel size and runs once the mesh exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlhf_jax.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rlhf_jax.config.schema import Config
+
+MESHES_DIR = Path(__file__).resolve().parents[2] / "meshes"
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+_INTERPOLATION = re.compile(r"\$\{([^}]*)\}")
+
+_ARR = "actor_rollout_ref"
+_OPTIMS = (f"{_ARR}.actor.optim", "critic.optim")
+_SAMPLING = (f"{_ARR}.rollout", f"{_ARR}.rollout.val_kwargs")
+
+
+Rule = tuple[Callable[[Any], bool], str]
+
+
+def _rule(test: Callable[[Any], bool], text: str) -> Rule:
+    return test, text
+
+
+_GE1 = _rule(lambda v: v >= 1, "must be >= 1")
+_GE0 = _rule(lambda v: v >= 0, "must be >= 0")
+_GT0 = _rule(lambda v: v > 0, "must be > 0")
+_UNIT = _rule(lambda v: 0 <= v <= 1, "must be in [0, 1]")
+_FREQ = _rule(lambda v: v == -1 or v >= 1, "must be -1 (never) or >= 1")
+_TOP_K = _rule(lambda v: v == -1 or v >= 1, "must be -1 (off) or >= 1")
+
+# (key path, rule); a null value is skipped (its meaning is documented in the schema).
+_RULES = (
+    *[(p, _GE1) for p in (
+        "data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
+        "data.val_batch_size", f"{_ARR}.actor.ppo_mini_batch_size",
+        f"{_ARR}.actor.ppo_micro_batch_size_per_device", f"{_ARR}.actor.ppo_epochs",
+        f"{_ARR}.ref.log_prob_micro_batch_size_per_device", f"{_ARR}.rollout.n",
+        f"{_ARR}.rollout.max_concurrent_decodes",
+        f"{_ARR}.rollout.log_prob_micro_batch_size_per_device",
+        f"{_ARR}.rollout.val_kwargs.n", "critic.ppo_mini_batch_size",
+        "critic.ppo_micro_batch_size_per_device", "critic.ppo_epochs",
+        "reward_model.micro_batch_size_per_device", "algorithm.kl_ctrl.horizon",
+        "trainer.total_epochs", "trainer.total_training_steps", "trainer.max_ckpt_to_keep",
+        "trainer.sft_warmup.batch_size", "trainer.sft_warmup.eval_every",
+        "synthetic.num_train", "synthetic.num_val",
+    )],
+    *[(p, _GE0) for p in (
+        "trainer.critic_warmup", "trainer.log_val_generations", "trainer.rollback.max_rollbacks",
+        "trainer.sft_warmup.max_steps", f"{_ARR}.actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef",
+    )],
+    ("trainer.save_freq", _FREQ),
+    ("trainer.test_freq", _FREQ),
+    ("algorithm.gamma", _UNIT),
+    ("algorithm.lam", _UNIT),
+    (f"{_ARR}.actor.clip_ratio", _GT0),
+    (f"{_ARR}.actor.clip_ratio_low", _rule(lambda v: 0 <= v < 1, "must be in [0, 1)")),
+    (f"{_ARR}.actor.clip_ratio_high", _GE0),
+    (f"{_ARR}.actor.clip_ratio_c", _rule(lambda v: v > 1, "must be > 1 (the dual-clip bound)")),
+    (f"{_ARR}.actor.grad_clip", _GT0),
+    ("critic.grad_clip", _GT0),
+    ("critic.cliprange_value", _GT0),
+    ("algorithm.kl_ctrl.target_kl", _GT0),
+    ("trainer.rollback.max_kl", _GT0),
+    ("trainer.rollback.value_loss_spike", _rule(lambda v: v > 1, "must be > 1")),
+    ("trainer.rollback.lr_factor", _rule(lambda v: 0 < v <= 1, "must be in (0, 1]")),
+    ("trainer.sft_warmup.lr", _GT0),
+    *[(f"{o}.{k}", r) for o in _OPTIMS for k, r in (
+        ("lr", _GE0), ("weight_decay", _GE0), ("eps", _GT0), ("lr_warmup_steps_ratio", _UNIT),
+        ("min_lr_ratio", _UNIT), ("lr_warmup_steps", _rule(lambda v: v >= -1, "must be >= -1")),
+        ("total_training_steps", _rule(lambda v: v == -1 or v >= 1, "must be -1 or >= 1")),
+    )],
+    *[(f"{s}.{k}", r) for s in _SAMPLING for k, r in (
+        ("temperature", _GE0), ("top_k", _TOP_K),
+        ("top_p", _rule(lambda v: 0 < v <= 1, "must be in (0, 1]")),
+    )],
+)
+
+
+def _get(cfg: Any, path: str) -> Any:
+    return functools.reduce(getattr, path.split("."), cfg)
+
+
+def _fail(path: str, message: str) -> None:
+    raise ConfigError(f"{path}: {message}")
+
+
+def _default(value: Any, fallback: Any) -> Any:
+    return fallback if value is None else value
+
+
+def resolve(cfg: Config) -> dict[str, Any]:
+    """Fills in the `null -> other key` defaults; returns the sections that changed."""
+    out: dict[str, Any] = {}
+    arr, critic, trainer = cfg.actor_rollout_ref, cfg.critic, cfg.trainer
+    model = dataclasses.replace(
+        arr.model, tokenizer_path=_default(arr.model.tokenizer_path, arr.model.path)
+    )
+    actor = dataclasses.replace(
+        arr.actor,
+        clip_ratio_low=_default(arr.actor.clip_ratio_low, arr.actor.clip_ratio),
+        clip_ratio_high=_default(arr.actor.clip_ratio_high, arr.actor.clip_ratio),
+    )
+    if (model, actor) != (arr.model, arr.actor):
+        out["actor_rollout_ref"] = dataclasses.replace(arr, model=model, actor=actor)
+    new_critic = dataclasses.replace(
+        critic,
+        enable=_default(critic.enable, cfg.algorithm.adv_estimator == "gae"),
+        ppo_mini_batch_size=_default(critic.ppo_mini_batch_size, actor.ppo_mini_batch_size),
+        ppo_epochs=_default(critic.ppo_epochs, actor.ppo_epochs),
+        model=dataclasses.replace(
+            critic.model, tokenizer_path=_default(critic.model.tokenizer_path, model.tokenizer_path)
+        ),
+    )
+    if new_critic != critic:
+        out["critic"] = new_critic
+    local_dir = _interpolate(trainer)
+    if local_dir != trainer.default_local_dir:
+        out["trainer"] = dataclasses.replace(trainer, default_local_dir=local_dir)
+    return out
+
+
+def _interpolate(trainer: Any) -> str:
+    names = {"project_name": trainer.project_name, "experiment_name": trainer.experiment_name}
+    names.update({f"trainer.{k}": v for k, v in list(names.items())})
+
+    def sub(match: re.Match) -> str:
+        if match.group(1) not in names:
+            _fail("trainer.default_local_dir", f"unknown interpolation {match.group(0)!r} "
+                  "(known: ${trainer.project_name}, ${trainer.experiment_name})")
+        return names[match.group(1)]
+
+    return _INTERPOLATION.sub(sub, trainer.default_local_dir)
+
+
+def check_kl_kind(value: str, path: str) -> None:
+    """`kl|k1|abs|mse|k2|low_var_kl|k3`, each optionally with `+`, or `full`."""
+    base = value[:-1] if value.endswith("+") else value
+    if value == "full" or base in KL_KINDS:
+        return
+    if base == "full":
+        _fail(path, "'full+' is not allowed: '+' (k2 gradient) applies to the sampled estimators")
+    _fail(path, f"{value!r} is not one of {', '.join(KL_KINDS)} (each optionally with '+'), full")
+
+
+def _check_mesh(mesh: Any) -> None:
+    preset = Path(mesh.preset)
+    if preset.suffix in (".yaml", ".yml"):
+        if not preset.is_file():
+            _fail("mesh.preset", f"mesh file not found: {mesh.preset}")
+    elif not (MESHES_DIR / f"{mesh.preset}.yaml").is_file():
+        known = ", ".join(sorted(p.stem for p in MESHES_DIR.glob("*.yaml"))) or "none"
+        _fail("mesh.preset", f"unknown mesh preset {mesh.preset!r} (known: {known})")
+    for group in (("data", "fsdp", "tensor"), ("dcn_data", "dcn_fsdp", "dcn_tensor")):
+        sizes = [getattr(mesh, name) for name in group]
+        for name, size in zip(group, sizes, strict=True):
+            if size is not None and (size == 0 or size < -1):
+                _fail(f"mesh.{name}", f"must be >= 1 or -1 (the remaining devices), got {size}")
+        if sizes.count(-1) > 1:
+            _fail("mesh", f"at most one of {', '.join(group)} may be -1")
+
+
+def _check_mini_batch(role: str, mini: int, cfg: Config) -> None:
+    train, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
+    path = f"{role}.ppo_mini_batch_size"
+    if mini > train:
+        _fail(path, f"{mini} prompts is more than data.train_batch_size {train}")
+    if train % mini:
+        _fail(path, f"data.train_batch_size {train} x rollout.n {n} sequences do not split into "
+              f"mini-batches of {mini} x {n} (both sizes count prompts)")
+
+
+def validate(cfg: Config) -> None:
+    """Raises ConfigError (one line, naming the key) for the first rule the config breaks."""
+    for path, (test, text) in _RULES:
+        value = _get(cfg, path)
+        if value is not None and not test(value):
+            _fail(path, f"{text}, got {value}")
+    arr, data, trainer = cfg.actor_rollout_ref, cfg.data, cfg.trainer
+    for opt in _OPTIMS:
+        if not all(0 <= b < 1 for b in _get(cfg, opt).betas):
+            _fail(f"{opt}.betas", f"each must be in [0, 1), got {list(_get(cfg, opt).betas)}")
+    for path in _SAMPLING:
+        sampling = _get(cfg, path)
+        if sampling.do_sample and sampling.temperature <= 0:
+            _fail(f"{path}.temperature", "must be > 0 when do_sample is true "
+                  "(set do_sample=false for greedy decoding)")
+    check_kl_kind(cfg.algorithm.kl_penalty, "algorithm.kl_penalty")
+    check_kl_kind(arr.actor.kl_loss_type, f"{_ARR}.actor.kl_loss_type")
+    _check_mini_batch(f"{_ARR}.actor", arr.actor.ppo_mini_batch_size, cfg)
+    if cfg.critic.enable:
+        _check_mini_batch("critic", cfg.critic.ppo_mini_batch_size, cfg)
+    elif cfg.algorithm.adv_estimator == "gae":
+        _fail("critic.enable", "algorithm.adv_estimator=gae needs a critic")
+    if not data.train_files:
+        _fail("data.train_files", "must name at least one file")
+    if data.val_files is None and (trainer.test_freq > 0 or trainer.val_before_train):
+        raise ConfigError("data.val_files is required when trainer.test_freq > 0 or "
+                          "trainer.val_before_train is true")
+    buckets = arr.rollout.prefill_buckets
+    if buckets is not None:
+        path = f"{_ARR}.rollout.prefill_buckets"
+        if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            _fail(path, f"must be increasing positive lengths, got {list(buckets)}")
+        if buckets[-1] < data.max_prompt_length:
+            _fail(path, f"the largest bucket {buckets[-1]} is shorter than "
+                  f"data.max_prompt_length {data.max_prompt_length}")
+    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
+        raise ConfigError("trainer.resume_from_path is required when trainer.resume_mode is "
+                          "resume_path")
+    if cfg.reward_model.enable and not cfg.reward_model.model.path:
+        raise ConfigError("reward_model.model.path is required when reward_model.enable is true")
+    if not cfg.reward.custom_reward_function.name:
+        _fail("reward.custom_reward_function.name", "must not be empty")
+    if cfg.synthetic.task is not None:
+        for key, files in (("train_files", data.train_files), ("val_files", data.val_files)):
+            if files is not None and len(files) != 1:
+                _fail(f"data.{key}", f"synthetic.task writes one file here, got {len(files)}")
+    _check_mesh(cfg.mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class MiniBatchPlan:
+    """How one role's PPO update splits a step's sequences (sizes count sequences)."""
+
+    mini_batch_size: int  # sequences per optimizer step, all devices together
+    num_mini_batches: int  # optimizer steps per PPO epoch
+    micro_batch_size_per_device: int
+    grad_accum_steps: int  # micro-batches accumulated into one optimizer step
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """The batch sizes of one training step on a mesh with `data_parallel_size` batch shards."""
+
+    data_parallel_size: int
+    sequences: int  # data.train_batch_size x rollout.n
+    sequences_per_device: int
+    actor: MiniBatchPlan
+    critic: MiniBatchPlan | None  # None when the critic is disabled
+
+
+def _plan(role: str, prompts: int, micro: int | None, cfg: Config, dp: int) -> MiniBatchPlan:
+    n = cfg.actor_rollout_ref.rollout.n
+    mini = prompts * n
+    what = f"a mini-batch of {mini} sequences ({prompts} prompts x rollout.n {n})"
+    if micro is None:
+        if mini % dp:
+            _fail(f"{role}.ppo_mini_batch_size", f"{what} does not split over "
+                  f"data-parallel size {dp} (mesh data x fsdp)")
+        micro = mini // dp
+    elif mini < micro * dp:
+        _fail(f"{role}.ppo_micro_batch_size_per_device", f"{what} is smaller than micro-batch "
+              f"{micro} x data-parallel size {dp} = {micro * dp}; some devices would get no "
+              "sequences (verl computed NaN losses here)")
+    elif mini % (micro * dp):
+        _fail(f"{role}.ppo_micro_batch_size_per_device", f"{what} is not a multiple of "
+              f"micro-batch {micro} x data-parallel size {dp} = {micro * dp}")
+    sequences = cfg.data.train_batch_size * n
+    return MiniBatchPlan(mini, sequences // mini, micro, mini // (micro * dp))
+
+
+def validate_batch_arithmetic(cfg: Config, data_parallel_size: int) -> BatchPlan:
+    """Checks the batch sizes against the mesh's data-parallel size (data x fsdp).
+
+    Args:
+      cfg: a loaded config (its load-time checks already passed).
+      data_parallel_size: the number of batch shards of the train layout.
+
+    Returns:
+      The per-role split of a step's sequences into mini- and micro-batches.
+    """
+    dp = data_parallel_size
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ConfigError(f"data-parallel size must be an int >= 1, got {dp!r}")
+    n = cfg.actor_rollout_ref.rollout.n
+    sequences = cfg.data.train_batch_size * n
+    if sequences % dp:
+        _fail("data.train_batch_size", f"{cfg.data.train_batch_size} prompts x rollout.n {n} = "
+              f"{sequences} sequences do not split over data-parallel size {dp} (mesh data x fsdp)")
+    actor = cfg.actor_rollout_ref.actor
+    critic = cfg.critic
+    return BatchPlan(
+        data_parallel_size=dp,
+        sequences=sequences,
+        sequences_per_device=sequences // dp,
+        actor=_plan(f"{_ARR}.actor", actor.ppo_mini_batch_size,
+                    actor.ppo_micro_batch_size_per_device, cfg, dp),
+        critic=_plan("critic", critic.ppo_mini_batch_size,
+                     critic.ppo_micro_batch_size_per_device, cfg, dp) if critic.enable else None,
+    )

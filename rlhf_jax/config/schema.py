@@ -1,0 +1,334 @@
+"""The config tree: frozen dataclasses with verl's key names and defaults.
+
+Defaults are those of verl's `ppo_trainer.yaml` except where a comment gives the reason.
+A `null` that means "same as another key" is filled in when the `Config` is built (see
+`checks.resolve`), so `to_yaml(cfg)` shows the values the trainer will use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Literal
+
+from rlhf_jax.config import checks
+from rlhf_jax.config.coerce import FrozenDict, Section
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+LossAggMode = Literal[
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+]
+AdvEstimator = Literal[
+    "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"
+]
+Logger = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
+
+_section = dataclasses.dataclass(frozen=True, kw_only=True)
+
+
+def _factory(cls):
+    return dataclasses.field(default_factory=cls)
+
+
+@_section
+class DataConfig(Section):
+    """`data.*`: parquet files in verl's schema and the batch of prompts per step."""
+
+    train_files: tuple[str, ...]  # a path or a list of paths
+    val_files: tuple[str, ...] | None = None  # null: no validation
+    prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024  # prompts per step
+    val_batch_size: int | None = None  # null: the whole validation set at once
+    shuffle: bool = True
+    seed: int = 1
+    truncation: Literal["error", "left", "right"] = "error"
+    filter_overlong_prompts: bool = False
+    return_raw_chat: bool = False
+    tokenizer: str | None = None  # null: the actor's tokenizer
+
+
+@_section
+class ModelConfig(Section):
+    """`actor_rollout_ref.model.*`: a HF model directory (config.json + safetensors)."""
+
+    path: str
+    tokenizer_path: str | None = None  # null -> path
+    param_dtype: Dtype = "float32"
+    compute_dtype: Dtype = "float32"
+    # verl turns this on by default for its FSDP workers; here it is opt-in (tiny models).
+    enable_gradient_checkpointing: bool = False
+    override_config: FrozenDict = _factory(FrozenDict)  # HF config.json fields to replace
+    use_remove_padding: bool = False
+
+
+@_section
+class OptimConfig(Section):
+    """AdamW with warmup and a constant or cosine schedule (verl's FSDP optimizer keys)."""
+
+    lr: float = 1e-6
+    lr_warmup_steps: int = -1  # -1: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0
+    min_lr_ratio: float = 0.0
+    warmup_style: Literal["constant", "cosine"] = "constant"
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    total_training_steps: int = -1  # -1: the trainer fills in trainer.total_training_steps
+
+
+@_section
+class CriticOptimConfig(OptimConfig):
+    """`critic.optim.*`: the same keys, verl's critic learning rate."""
+
+    lr: float = 1e-5
+
+
+@_section
+class ActorConfig(Section):
+    """`actor_rollout_ref.actor.*`: the PPO policy update."""
+
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n sequences)
+    ppo_micro_batch_size_per_device: int | None = None  # null: whole mini-batch per device
+    ppo_epochs: int = 1
+    shuffle: bool = True
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None  # null -> clip_ratio
+    clip_ratio_high: float | None = None  # null -> clip_ratio
+    clip_ratio_c: float = 3.0  # dual-clip bound of the policy loss, > 1
+    loss_agg_mode: LossAggMode = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # a kl_penalty kind, see AlgorithmConfig
+    grad_clip: float = 1.0
+    optimizer_offload: bool = False
+    optim: OptimConfig = _factory(OptimConfig)
+
+
+@_section
+class RefConfig(Section):
+    """`actor_rollout_ref.ref.*`: the frozen reference policy."""
+
+    param_offload: bool = False
+    log_prob_micro_batch_size_per_device: int | None = None
+
+
+@_section
+class SamplingConfig(Section):
+    """`actor_rollout_ref.rollout.val_kwargs.*`: sampling for validation (greedy by default)."""
+
+    n: int = 1
+    temperature: float = 0.0
+    top_k: int = -1  # -1: off
+    top_p: float = 1.0
+    do_sample: bool = False
+
+
+@_section
+class RolloutConfig(Section):
+    """`actor_rollout_ref.rollout.*`: generation with the JetStream-style engine."""
+
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0
+    top_k: int = -1  # -1: off
+    top_p: float = 1.0
+    do_sample: bool = True
+    max_concurrent_decodes: int = 64  # decode slots of the engine
+    prefill_buckets: tuple[int, ...] | None = None  # null: powers of two up to max_prompt_length
+    log_prob_micro_batch_size_per_device: int | None = None
+    # verl's default is false; here the engine's log-probs feed training/rollout_probs_diff_*.
+    calculate_log_probs: bool = True
+    val_kwargs: SamplingConfig = _factory(SamplingConfig)
+
+
+@_section
+class ActorRolloutRefConfig(Section):
+    """`actor_rollout_ref.*`: one backbone shared by the actor, the rollout and the reference."""
+
+    model: ModelConfig
+    actor: ActorConfig = _factory(ActorConfig)
+    ref: RefConfig = _factory(RefConfig)
+    rollout: RolloutConfig = _factory(RolloutConfig)
+
+
+@_section
+class CriticModelConfig(Section):
+    """`critic.model.*`: null path: initialise the value model from the actor's backbone."""
+
+    path: str | None = None
+    tokenizer_path: str | None = None  # null -> the actor's tokenizer
+    override_config: FrozenDict = _factory(FrozenDict)
+    enable_gradient_checkpointing: bool = False
+
+
+@_section
+class CriticConfig(Section):
+    """`critic.*`: the value model and its clipped value loss."""
+
+    enable: bool | None = None  # null -> true iff algorithm.adv_estimator == gae
+    model: CriticModelConfig = _factory(CriticModelConfig)
+    optim: CriticOptimConfig = _factory(CriticOptimConfig)
+    ppo_mini_batch_size: int | None = None  # null -> the actor's
+    ppo_micro_batch_size_per_device: int | None = None  # null: whole mini-batch per device
+    ppo_epochs: int | None = None  # null -> the actor's
+    shuffle: bool = True
+    grad_clip: float = 1.0
+    cliprange_value: float = 0.5
+    loss_agg_mode: LossAggMode = "token-mean"
+    optimizer_offload: bool = False
+
+
+@_section
+class RewardModelModelConfig(Section):
+    path: str | None = None
+
+
+@_section
+class RewardModelConfig(Section):
+    """`reward_model.*`: a learned reward model (off: rule rewards by data_source)."""
+
+    enable: bool = False
+    model: RewardModelModelConfig = _factory(RewardModelModelConfig)
+    micro_batch_size_per_device: int | None = None
+
+
+@_section
+class CustomRewardFunctionConfig(Section):
+    """A scoring function `name(data_source, solution_str, ground_truth, extra_info)`."""
+
+    path: str | None = None  # a dotted module path or a .py file
+    name: str = "compute_score"
+
+
+@_section
+class RewardConfig(Section):
+    custom_reward_function: CustomRewardFunctionConfig = _factory(CustomRewardFunctionConfig)
+
+
+@_section
+class KLCtrlConfig(Section):
+    """`algorithm.kl_ctrl.*`: the coefficient beta of KL-in-reward (the adaptive one moves)."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@_section
+class AlgorithmConfig(Section):
+    """`algorithm.*`: advantages and the KL penalty."""
+
+    gamma: float = 1.0
+    lam: float = 1.0
+    adv_estimator: AdvEstimator = "gae"
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"  # kl|k1|abs|mse|k2|low_var_kl|k3 (optionally with "+") or full
+    kl_ctrl: KLCtrlConfig = _factory(KLCtrlConfig)
+
+
+@_section
+class RollbackConfig(Section):
+    """`trainer.rollback.*`: restore the last checkpoint and scale the learning rates by
+    lr_factor when KL > max_kl, a loss is NaN, or the value loss jumps by value_loss_spike x."""
+
+    enable: bool = True
+    max_kl: float = 0.1
+    value_loss_spike: float = 2.0
+    lr_factor: float = 0.5
+    max_rollbacks: int = 3
+
+
+@_section
+class SftWarmupConfig(Section):
+    """`trainer.sft_warmup.*`: supervised steps on the task's answers before RL, until the
+    validation score reaches target_score or max_steps (the synthetic task starts from noise)."""
+
+    enable: bool = False
+    max_steps: int = 0
+    target_score: float = 0.15
+    lr: float = 1e-3
+    batch_size: int = 64
+    eval_every: int = 25
+
+
+@_section
+class TrainerConfig(Section):
+    """`trainer.*`: the loop, logging, checkpoints and recovery."""
+
+    total_epochs: int = 30
+    total_training_steps: int | None = None  # null: total_epochs x steps per epoch
+    save_freq: int = -1  # -1: never
+    test_freq: int = -1  # -1: never
+    # verl validates before training by default; here it is opt-in.
+    val_before_train: bool = False
+    logger: tuple[Logger, ...] = ("console",)
+    project_name: str = "rlhf_jax"
+    experiment_name: str = "default"
+    # ${trainer.project_name} and ${trainer.experiment_name} are filled in at load time.
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    resume_from_path: str | None = None  # required when resume_mode is resume_path
+    critic_warmup: int = 0  # steps that update only the critic
+    max_ckpt_to_keep: int | None = None  # null: keep all
+    seed: int = 0
+    log_val_generations: int = 0
+    rollback: RollbackConfig = _factory(RollbackConfig)
+    sft_warmup: SftWarmupConfig = _factory(SftWarmupConfig)
+
+
+@_section
+class SyntheticConfig(Section):
+    """`synthetic.*`: when task is set, the trainer writes the task's parquet files, tokenizer
+    and a random-init model at data.train_files / val_files / actor model path if missing."""
+
+    task: Literal["addition"] | None = None
+    num_train: int = 2048
+    num_val: int = 256
+    seed: int = 0
+
+
+@_section
+class MeshConfig(Section):
+    """`mesh`: a preset from meshes/ (or a .yaml path), with optional axis-size overrides.
+
+    `mesh: single` is short for `mesh: {preset: single}`. Sizes are >= 1 or -1 ("the rest").
+    """
+
+    scalar_field: ClassVar[str] = "preset"
+
+    preset: str = "cpu-8"
+    data: int | None = None
+    fsdp: int | None = None
+    tensor: int | None = None
+    dcn_data: int | None = None
+    dcn_fsdp: int | None = None
+    dcn_tensor: int | None = None
+
+
+@_section
+class Config(Section):
+    """The whole run: one immutable tree, validated on construction."""
+
+    data: DataConfig
+    actor_rollout_ref: ActorRolloutRefConfig
+    critic: CriticConfig = _factory(CriticConfig)
+    reward_model: RewardModelConfig = _factory(RewardModelConfig)
+    reward: RewardConfig = _factory(RewardConfig)
+    algorithm: AlgorithmConfig = _factory(AlgorithmConfig)
+    trainer: TrainerConfig = _factory(TrainerConfig)
+    synthetic: SyntheticConfig = _factory(SyntheticConfig)
+    mesh: MeshConfig = _factory(MeshConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, section in checks.resolve(self).items():
+            object.__setattr__(self, name, section)
+        checks.validate(self)

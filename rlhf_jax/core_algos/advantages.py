@@ -1,0 +1,262 @@
+"""Advantage estimators: GAE, GRPO (and Dr.GRPO), RLOO, REINFORCE++ (+baseline), ReMax.
+
+verl counterpart: the `compute_*_advantage*` functions of `verl/trainer/ppo/core_algos.py`,
+same names, same arguments (minus verl's `config` object), same numbers.
+
+Shapes: `[batch, time]` over response tokens, `mask` 1 up to and including EOS. Every
+estimator returns `(advantages, returns)`, both `[batch, time]`. Time recurrences are reverse
+`jax.lax.scan`s and group statistics are `jax.ops.segment_sum`s, so everything runs under
+`jax.jit` with static shapes. The functions are differentiable, but advantages are targets:
+a trainer computes them outside its gradient (verl wraps them in `torch.no_grad`).
+
+Group ids (`index`): verl groups by a Python dict over prompt uids; here `index` is an int
+`[batch]` array of group ids in `[0, num_groups)` (e.g. `np.unique(uids, return_inverse=True)`),
+and `num_groups` is static (default `batch`, enough for any labelling of `batch` rows). Ids
+outside that range are dropped by the segment ops and the row is treated as a group of one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rlhf_jax.core_algos.masked import _as_mask, masked_whiten
+
+
+def _reverse_scan_time(step, carry, *xs_bt):
+    """Runs `step(carry, x_t) -> (carry, y_t)` from the last time step to the first.
+
+    Args:
+      xs_bt: arrays `[batch, time]`; the scan walks their time axis.
+
+    Returns:
+      The stacked outputs `y` as `[batch, time]`.
+    """
+    xs_tb = tuple(jnp.swapaxes(x, 0, 1) for x in xs_bt)
+    _, ys_tb = jax.lax.scan(step, carry, xs_tb, reverse=True)
+    return jnp.swapaxes(ys_tb, 0, 1)
+
+
+def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam):
+    """Generalised advantage estimation (Schulman et al. 2016), masked tokens skipped.
+
+    Reverse scan with `next_v = last = 0` after the last token:
+    `delta = r_t + gamma * next_v - V_t; gae = delta + gamma * lam * last;
+    next_v = V_t * m_t + (1 - m_t) * next_v; last = gae * m_t + (1 - m_t) * last; A_t = last`.
+    `returns = A + values` (before whitening), then `advantages = masked_whiten(A, mask)`.
+    The unwhitened advantages are `returns - values`.
+
+    Args:
+      token_level_rewards: `[batch, time]` rewards r_t.
+      values: `[batch, time]` critic values V_t of the state before token t.
+      response_mask: `[batch, time]`, 0/1.
+      gamma: discount (float or scalar array).
+      lam: GAE lambda (float or scalar array).
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]`.
+
+    verl: `core_algos.compute_gae_advantage_return`.
+    """
+    rewards = jnp.asarray(token_level_rewards)
+    values = jnp.asarray(values).astype(rewards.dtype)
+    m = _as_mask(response_mask, rewards)
+    gamma = jnp.asarray(gamma, rewards.dtype)
+    lam = jnp.asarray(lam, rewards.dtype)
+
+    def step(carry, x):
+        next_v, last = carry
+        r_t, v_t, m_t = x
+        delta = r_t + gamma * next_v - v_t
+        gae = delta + gamma * lam * last
+        next_v = v_t * m_t + (1 - m_t) * next_v
+        last = gae * m_t + (1 - m_t) * last
+        return (next_v, last), last
+
+    zeros_b = jnp.zeros_like(rewards[:, 0])  # keeps the batch sharding of explicit meshes
+    adv = _reverse_scan_time(step, (zeros_b, zeros_b), rewards, values, m)
+    returns = adv + values
+    return masked_whiten(adv, m), returns
+
+
+def _replicated(x):
+    """`x` replicated if its batch axis is sharded over an explicit mesh axis.
+
+    Group statistics mix rows of every shard; on a `[batch]` vector gathering is cheap and
+    spares the scatter of `segment_sum` an ambiguous output sharding. A no-op otherwise.
+    """
+    if any(p is not None for p in jax.typeof(x).sharding.spec):
+        return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+    return x
+
+
+def _group_stats(scores_b, index, num_groups):
+    """Per-row group size, group mean and unbiased group variance of `scores_b` ([batch])."""
+    b = scores_b.shape[0]
+    num_groups = b if num_groups is None else int(num_groups)
+    index = _replicated(jnp.asarray(index).astype(jnp.int32))
+    seg = lambda x: jax.ops.segment_sum(x, index, num_segments=num_groups)
+    count_g = seg(jnp.ones_like(scores_b))
+    mean_g = seg(scores_b) / jnp.maximum(count_g, 1)
+    # Out-of-range ids gather a clamped (wrong) group; their count is forced to 1 below.
+    valid = (index >= 0) & (index < num_groups)
+    n = jnp.where(valid, count_g[index], 1)
+    mean = mean_g[index]
+    var_g = seg(jnp.square(scores_b - mean)) / jnp.maximum(count_g - 1, 1)
+    return n, mean, var_g[index]
+
+
+def _safe_sqrt(x):
+    """sqrt with a finite gradient at 0."""
+    pos = x > 0
+    return jnp.where(pos, jnp.sqrt(jnp.where(pos, x, 1)), 0)
+
+
+def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
+                                   norm_adv_by_std_in_grpo=True, num_groups=None):
+    """GRPO outcome advantage (Shao et al. 2024); Dr.GRPO without the std (Liu et al. 2025).
+
+    `score_i = sum_t r_it`; per group g: mean and unbiased std of its scores (a group of one
+    gets mean 0, std 1). `A_i = (score_i - mean_g) / (std_g + epsilon)`, or
+    `A_i = score_i - mean_g` when `norm_adv_by_std_in_grpo=False` (Dr.GRPO). A zero-variance
+    group gets A = 0. Broadcast over tokens and multiplied by the mask.
+
+    Args:
+      token_level_rewards: `[batch, time]`.
+      response_mask: `[batch, time]`, 0/1.
+      index: `[batch]` int group ids in `[0, num_groups)`.
+      epsilon: added to the std.
+      norm_adv_by_std_in_grpo: divide by the group std (GRPO) or not (Dr.GRPO).
+      num_groups: static number of segments (default: batch).
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]`; `returns` is `advantages` (as verl).
+
+    verl: `core_algos.compute_grpo_outcome_advantage`.
+    """
+    rewards = jnp.asarray(token_level_rewards)
+    m = _as_mask(response_mask, rewards)
+    scores = _replicated(jnp.sum(rewards, axis=-1))
+    n, mean, var = _group_stats(scores, index, num_groups)
+    single = n <= 1
+    mean = jnp.where(single, 0, mean)
+    if norm_adv_by_std_in_grpo:
+        std = jnp.where(single, 1, _safe_sqrt(var))
+        adv_b = (scores - mean) / (std + epsilon)
+    else:
+        adv_b = scores - mean
+    adv = adv_b[:, None] * m
+    return adv, adv
+
+
+def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
+                                   num_groups=None):
+    """RLOO outcome advantage (Ahmadian et al. 2024): leave-one-out baseline per group.
+
+    For a group of n > 1: `A_i = score_i * n / (n - 1) - mean_g * n / (n - 1)`, i.e.
+    `score_i` minus the mean of the other n - 1 scores; a group of one keeps its score
+    (baseline 0, as verl). Broadcast over tokens and multiplied by the mask.
+
+    Args:
+      token_level_rewards: `[batch, time]`.
+      response_mask: `[batch, time]`, 0/1.
+      index: `[batch]` int group ids in `[0, num_groups)`.
+      epsilon: unused; kept for verl's signature.
+      num_groups: static number of segments (default: batch).
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]`; `returns` is `advantages` (as verl).
+
+    verl: `core_algos.compute_rloo_outcome_advantage`.
+    """
+    del epsilon
+    rewards = jnp.asarray(token_level_rewards)
+    m = _as_mask(response_mask, rewards)
+    scores = _replicated(jnp.sum(rewards, axis=-1))
+    n, mean, _ = _group_stats(scores, index, num_groups)
+    scale = n / jnp.maximum(n - 1, 1)
+    adv_b = jnp.where(n > 1, scores * scale - mean * scale, scores)
+    adv = adv_b[:, None] * m
+    return adv, adv
+
+
+def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma):
+    """REINFORCE++ (Hu 2025): whitened discounted return-to-go.
+
+    Reverse scan: `G = r_t + gamma * G; R_t = G; G = G * m_t` (the running return restarts
+    at masked positions, as verl). `advantages = masked_whiten(R, m) * m`.
+
+    Args:
+      token_level_rewards: `[batch, time]`.
+      response_mask: `[batch, time]`, 0/1.
+      gamma: discount (float or scalar array).
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]`; `returns` is the return-to-go R.
+
+    verl: `core_algos.compute_reinforce_plus_plus_outcome_advantage` (gamma from its config).
+    """
+    rewards = jnp.asarray(token_level_rewards)
+    m = _as_mask(response_mask, rewards)
+    gamma = jnp.asarray(gamma, rewards.dtype)
+
+    def step(running, x):
+        r_t, m_t = x
+        running = r_t + gamma * running
+        return running * m_t, running
+
+    returns = _reverse_scan_time(step, jnp.zeros_like(rewards[:, 0]), rewards, m)
+    advantages = masked_whiten(returns, m) * m
+    return advantages, returns
+
+
+def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask,
+                                                           index, epsilon=1e-6,
+                                                           num_groups=None):
+    """REINFORCE++ with a group-mean baseline: `masked_whiten((score - mean_g) * m) * m`.
+
+    `score_i = sum_t r_it`; a group of one has mean 0. The centred score is broadcast over
+    tokens, masked, and whitened over all masked tokens of the batch.
+
+    Args:
+      token_level_rewards: `[batch, time]`.
+      response_mask: `[batch, time]`, 0/1.
+      index: `[batch]` int group ids in `[0, num_groups)`.
+      epsilon: unused; kept for verl's signature.
+      num_groups: static number of segments (default: batch).
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]`; `returns` is `advantages` (as verl).
+
+    verl: `core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage`.
+    """
+    del epsilon
+    rewards = jnp.asarray(token_level_rewards)
+    m = _as_mask(response_mask, rewards)
+    scores = _replicated(jnp.sum(rewards, axis=-1))
+    n, mean, _ = _group_stats(scores, index, num_groups)
+    centred = scores - jnp.where(n > 1, mean, 0)
+    adv = masked_whiten(centred[:, None] * m, m) * m
+    return adv, adv
+
+
+def compute_remax_outcome_advantage(token_level_rewards, reward_baselines, response_mask):
+    """ReMax (Li et al. 2023): return-to-go minus the greedy response's reward.
+
+    `returns_t = sum_{s >= t} r_s * m_s`; `advantages = returns - b[:, None] * m`.
+
+    Args:
+      token_level_rewards: `[batch, time]`.
+      reward_baselines: `[batch]` reward of the greedy response of each prompt.
+      response_mask: `[batch, time]`, 0/1.
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]`.
+
+    verl: `core_algos.compute_remax_outcome_advantage`.
+    """
+    rewards = jnp.asarray(token_level_rewards)
+    m = _as_mask(response_mask, rewards)
+    returns = jnp.flip(jnp.cumsum(jnp.flip(rewards * m, -1), axis=-1), -1)
+    baselines = jnp.asarray(reward_baselines).astype(rewards.dtype)
+    return returns - baselines[:, None] * m, returns

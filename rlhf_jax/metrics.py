@@ -1,0 +1,181 @@
+"""Metrics with verl's names, MFU, and the console / JSON-lines trackers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from rlhf_jax.errors import ConfigError
+
+# Dense peak FLOP/s per device by `device_kind` substring (bf16 on accelerators).
+PEAK_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12,
+    "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12,
+    "TPU v6": 918e12,
+}
+
+
+class Timer:
+    """Collects `timing_s/<name>` for one step: `with timer("gen"): ...`."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.times.items()}
+
+
+def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
+    if x.size == 0:
+        return {}
+    return {f"{prefix}/mean": float(x.mean()), f"{prefix}/max": float(x.max()),
+            f"{prefix}/min": float(x.min())}
+
+
+def data_metrics(*, scores, token_rewards, advantages, returns, response_mask, prompt_mask,
+                 max_response_length: int, max_prompt_length: int, values=None):
+    """verl's `compute_data_metrics`: statistics over valid tokens and sequences.
+
+    Args (numpy): scores [N]; token_rewards, advantages, returns, values, response_mask [N, R];
+      prompt_mask [N, P].
+    """
+    mask = response_mask.astype(bool)
+    resp_len = response_mask.sum(-1)
+    prompt_len = prompt_mask.sum(-1)
+    out = {}
+    out.update(_stats("critic/score", np.asarray(scores)))
+    out.update(_stats("critic/rewards", (token_rewards * response_mask).sum(-1)))
+    out.update(_stats("critic/advantages", advantages[mask]))
+    out.update(_stats("critic/returns", returns[mask]))
+    if values is not None:
+        out.update(_stats("critic/values", values[mask]))
+        ret, val = returns[mask], values[mask]
+        var = np.var(ret)
+        out["critic/vf_explained_var"] = float(1.0 - np.var(ret - val) / (var + 1e-5))
+    out.update(_stats("response_length", resp_len.astype(np.float32)))
+    out["response_length/clip_ratio"] = float(np.mean(resp_len == max_response_length))
+    out.update(_stats("prompt_length", prompt_len.astype(np.float32)))
+    out["prompt_length/clip_ratio"] = float(np.mean(prompt_len == max_prompt_length))
+    return out
+
+
+def train_flops(model_cfg, seq_lens: np.ndarray, passes: float = 1.0) -> float:
+    """DESIGN.md's MFU numerator: 6*N*tokens + 6*sum(seqlen^2)*head_dim*heads*layers per pass.
+
+    N = L*(3*h*I + h*(q+k+v+o)) + 2*V*h (`ModelConfig.num_matmul_params`).
+    """
+    c = model_cfg
+    tokens = float(np.sum(seq_lens))
+    attn = 6.0 * float(np.sum(np.asarray(seq_lens, np.float64) ** 2)) * c.head_dim
+    attn *= c.num_attention_heads * c.num_hidden_layers
+    return passes * (6.0 * c.num_matmul_params * tokens + attn)
+
+
+_MEASURED_PEAK: dict[str, float] = {}
+
+
+def peak_flops_per_device() -> float:
+    """From the device table, or (CPU and unknown devices) measured once with a jitted matmul."""
+    import jax
+    import jax.numpy as jnp
+
+    kind = jax.devices()[0].device_kind
+    for key, value in PEAK_FLOPS.items():
+        if key.lower() in kind.lower():
+            return value
+    if kind not in _MEASURED_PEAK:
+        n = 1024
+        a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices()[0])
+        f = jax.jit(lambda x: x @ x)
+        f(a).block_until_ready()
+        best = math.inf
+        for _ in range(5):
+            t = time.perf_counter()
+            f(a).block_until_ready()
+            best = min(best, time.perf_counter() - t)
+        _MEASURED_PEAK[kind] = 2 * n**3 / best
+    return _MEASURED_PEAK[kind]
+
+
+# ------------------------------------------------------------------------------------ trackers
+
+
+class JsonlTracker:
+    """Appends one JSON object per step to `<run_dir>/metrics.jsonl`."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        row = {"training/global_step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleTracker:
+    """One line per step: step/total, ETA, score, KL, throughput, then the losses."""
+
+    KEYS = ("critic/score/mean", "actor/ppo_kl", "actor/pg_loss", "critic/vf_loss",
+            "response_length/mean", "perf/throughput", "timing_s/step")
+
+    def __init__(self, total_steps: int, stream=None):
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+        self.start = time.perf_counter()
+        self.first_step: int | None = None
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self.first_step is None:
+            self.first_step = step - 1
+        done = step - self.first_step
+        eta = (time.perf_counter() - self.start) / max(done, 1) * (self.total - step)
+        parts = [f"step {step}/{self.total}", f"eta {eta:5.0f}s"]
+        for key in self.KEYS:
+            if key in metrics:
+                parts.append(f"{key.split('/', 1)[1] if key.count('/') == 1 else key}="
+                             f"{_plain(metrics[key]):.4g}")
+        for key in sorted(k for k in metrics if k.startswith("val-core/")):
+            parts.append(f"{key}={_plain(metrics[key]):.4g}")
+        print(" | ".join(parts), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _plain(v):
+    if isinstance(v, (np.generic, np.ndarray)):
+        return v.item()
+    return float(v) if hasattr(v, "__float__") and not isinstance(v, (int, float)) else v
+
+
+def make_trackers(names, run_dir: str | Path, total_steps: int):
+    out = []
+    for name in names:
+        if name == "console":
+            out.append(ConsoleTracker(total_steps))
+        elif name == "jsonl":
+            out.append(JsonlTracker(run_dir))
+        else:
+            raise ConfigError(
+                f"trainer.logger: tracker {name!r} is not available yet (console, jsonl)"
+            )
+    return out

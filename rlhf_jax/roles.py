@@ -1,0 +1,97 @@
+"""Which role uses which model, layout and optimizer: actor, reference, critic, rollout.
+
+The actor and critic train in the **train** layout; the reference scores in the train layout;
+the rollout engine generates from the actor's parameters moved to the **generate** layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from rlhf_jax import train_steps as ts
+from rlhf_jax.errors import ModelError
+from rlhf_jax.mesh import MeshSpec, load_mesh_spec, make_mesh
+from rlhf_jax.models import Model, load_model_config
+from rlhf_jax.models.hf_io import load_hf_params, save_hf
+
+
+@dataclasses.dataclass
+class Layouts:
+    mesh: Any
+    spec: MeshSpec
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return dict(self.spec.train_rules).get("batch", ())
+
+    @property
+    def dp(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
+
+
+def build_mesh(cfg) -> Layouts:
+    m = cfg.mesh
+    sizes = {k: getattr(m, k) for k in
+             ("data", "fsdp", "tensor", "dcn_data", "dcn_fsdp", "dcn_tensor")}
+    spec = load_mesh_spec(m.preset, sizes)
+    return Layouts(make_mesh(spec), spec)
+
+
+def optim_config(optim, grad_clip: float, total_steps: int) -> ts.OptimConfig:
+    """verl's optim keys -> `train_steps.OptimConfig` (warm-up steps from the ratio if -1)."""
+    warmup = optim.lr_warmup_steps
+    if warmup < 0:
+        warmup = int(optim.lr_warmup_steps_ratio * total_steps)
+    total = optim.total_training_steps if optim.total_training_steps > 0 else total_steps
+    return ts.OptimConfig(
+        lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas), eps=optim.eps,
+        warmup_steps=warmup, warmup_style=optim.warmup_style, min_lr_ratio=optim.min_lr_ratio,
+        total_steps=max(total, 1), grad_clip=grad_clip,
+    )
+
+
+def load_or_init(model: Model, path: str | Path | None, layouts: Layouts, rng) -> Any:
+    """Parameters in the train layout from an HF directory with weights, else random init."""
+    shardings = model.shardings(layouts.mesh, layouts.spec.train_rules)
+    if path is not None and any(Path(path).glob("*.safetensors")):
+        return load_hf_params(model, path, shardings)
+    return model.init(rng, layouts.mesh, layouts.spec.train_rules)
+
+
+def ensure_model_weights(path: str | Path, hf_config: dict, seed: int) -> None:
+    """Writes a random-init HF checkpoint at `path` unless one is there (synthetic tasks)."""
+    path = Path(path)
+    if any(path.glob("*.safetensors")):
+        return
+    from rlhf_jax.models import ModelConfig
+
+    model = Model(ModelConfig.from_hf(hf_config))
+    mesh = make_mesh(load_mesh_spec("single"))
+    params = model.init(jax.random.key(seed), mesh, load_mesh_spec("single").train_rules)
+    save_hf(model, params, path)
+
+
+def actor_model(cfg) -> Model:
+    m = cfg.actor_rollout_ref.model
+    return Model(
+        load_model_config(m.path, dict(m.override_config)), "lm", m.compute_dtype,
+        m.param_dtype, m.enable_gradient_checkpointing,
+    )
+
+
+def critic_model(cfg) -> tuple[Model, str]:
+    """The value model and the directory its weights come from (the actor's by default)."""
+    m = cfg.actor_rollout_ref.model
+    c = cfg.critic.model
+    path = c.path or m.path
+    if not Path(path, "config.json").is_file():
+        raise ModelError(f"critic.model.path {path!r} has no config.json")
+    overrides = dict(c.override_config) if c.path else dict(m.override_config)
+    model = Model(load_model_config(path, overrides), "value", m.compute_dtype, m.param_dtype,
+                  c.enable_gradient_checkpointing)
+    return model, path

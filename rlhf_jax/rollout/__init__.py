@@ -1,0 +1,16 @@
+"""Rollout: a JetStream-style engine, sampling, the RL rollout driver and resharding.
+
+Nothing here imports jetstream; `rlhf_jax.rollout.jetstream_adapter` (the `jetstream` extra)
+plugs the engine into JetStream's own orchestrator and server.
+"""
+
+from rlhf_jax.rollout.driver import RolloutBatch, generate_sequences, prompt_rows
+from rlhf_jax.rollout.engine import DecodeState, Engine, Prefix, ResultTokens, default_buckets
+from rlhf_jax.rollout.reshard import reshard
+from rlhf_jax.rollout.sampling import SamplingParams, filter_logits, sample_tokens
+
+__all__ = [
+    "DecodeState", "Engine", "Prefix", "ResultTokens", "RolloutBatch", "SamplingParams",
+    "default_buckets", "filter_logits", "generate_sequences", "prompt_rows", "reshard",
+    "sample_tokens",
+]

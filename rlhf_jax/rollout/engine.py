@@ -1,0 +1,574 @@
+"""A JetStream-style engine (prefill / insert / generate) on the generate layout of the mesh.
+
+The method names and signatures follow JetStream's current `engine_api.Engine`; nothing here
+imports jetstream (`rollout/jetstream_adapter.py` does). The KV cache and every per-slot array
+of the decode state live on the mesh's generate layout (slots over `cache_batch`, KV heads over
+`cache_heads`); each jitted function has explicit in/out shardings and donates the state.
+
+    engine = Engine(model, mesh, spec.generate_rules, max_concurrent_decodes=64,
+                    max_prefill_length=512, max_decode_length=256)
+    prefix, first = engine.prefill(params=p, padded_tokens=ids_bt, true_length=len_b)
+    state = engine.bulk_insert(prefix, engine.init_decode_state(rng), slots=[0, 1])
+    state, out = engine.generate_steps(p, state, 8)   # 8 tokens for every slot, one dispatch
+
+Shapes: L layers, S slots, C cache length (max_prefill_length + max_decode_length), T prefill
+bucket, R max_decode_length, V vocabulary, K kv heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rlhf_jax.errors import ConfigError, DataError
+from rlhf_jax.mesh import Rules, activation_rules, logical_to_pspec
+from rlhf_jax.models.model import CACHE_AXES, Model, cache_mask
+from rlhf_jax.models.transformer import KVCache
+from rlhf_jax.rollout.reshard import reshard
+from rlhf_jax.rollout.sampling import SamplingParams, is_eos, request_keys, sample_tokens
+
+
+@struct.dataclass
+class SlotData:
+    """One slot's share of a `ResultTokens`."""
+
+    tokens: Any  # [samples, t]
+    valid: Any  # [samples, t]
+    lengths: Any  # [samples]
+    log_probs: Any  # [samples, t]
+
+
+@struct.dataclass
+class ResultTokens:
+    """Tokens of one engine call for every row: JetStream's fields plus log-probs.
+
+    `log_probs` are under the sampling distribution (tempered, top-k/top-p filtered);
+    `raw_log_probs` under the untempered softmax. `lengths` count the response so far.
+    """
+
+    tokens: Any  # [b, t] int32
+    valid: Any  # [b, t] bool
+    lengths: Any  # [b] int32
+    log_probs: Any  # [b, t] float32
+    raw_log_probs: Any  # [b, t] float32
+    samples_per_slot: int = struct.field(pytree_node=False, default=1)
+
+    def copy_to_host_async(self) -> None:
+        for x in jax.tree.leaves(self):
+            if isinstance(x, jax.Array):
+                x.copy_to_host_async()
+
+    def convert_to_numpy(self) -> ResultTokens:
+        return jax.tree.map(np.asarray, self)
+
+    def get_result_at_slot(self, slot: int) -> SlotData:
+        lo, hi = slot * self.samples_per_slot, (slot + 1) * self.samples_per_slot
+        return SlotData(self.tokens[lo:hi], self.valid[lo:hi], self.lengths[lo:hi],
+                        self.log_probs[lo:hi])
+
+
+@struct.dataclass
+class Prefix:
+    """The KV cache of b right-padded prompts and the first token of m samples of each.
+
+    Sample j of row r is request `request_id[r] + j`; its first token was drawn with
+    `(rng, request id, 0)` and `done` says whether it already ends the response.
+    """
+
+    cache: KVCache  # [L, b, T, K, H]
+    true_length: Any  # [b] int32 tokens in the cache
+    request_id: Any  # [b] int32 request of sample 0
+    tokens: Any  # [b, m] int32 first response token
+    log_probs: Any  # [b, m] float32
+    raw_log_probs: Any  # [b, m] float32
+    done: Any  # [b, m] bool
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything `generate` transforms; rows are decode slots.
+
+    A slot holds one request: `tokens` is its last sampled token, not yet fed to the model,
+    whose keys go to cache row `write_index` (= its RoPE position); `generated` counts its
+    response tokens, which accumulate in `response` / `log_probs` / `raw_log_probs`.
+    An empty or finished slot has `done` set and is left untouched by `generate`.
+    """
+
+    cache: KVCache  # [L, S, C, K, H]
+    tokens: Any  # [S] int32
+    write_index: Any  # [S] int32
+    generated: Any  # [S] int32
+    done: Any  # [S] bool
+    request_id: Any  # [S] int32
+    response: Any  # [S, R] int32 (0 after `generated`)
+    log_probs: Any  # [S, R] float32 (0 after `generated`)
+    raw_log_probs: Any  # [S, R] float32
+    rng: Any  # raw key data
+    steps: Any  # [] int32 generate steps run on this state
+
+
+def default_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from `smallest` below `max_prefill_length`, then `max_prefill_length`."""
+    out, b = [], smallest
+    while b < max_prefill_length:
+        out.append(b)
+        b *= 2
+    return (*out, max_prefill_length)
+
+
+def key_data(rng) -> jax.Array:
+    """Raw uint32 data of a typed key, an old-style key, or an int seed."""
+    if isinstance(rng, int | np.integer):
+        rng = jax.random.key(int(rng))
+    if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(rng)
+    return jnp.asarray(rng, jnp.uint32)
+
+
+class Engine:
+    """Prefill, insert and generate for one model on one mesh (generate layout).
+
+    Args:
+      model: a causal LM `Model`.
+      mesh: the `(data, fsdp, tensor)` mesh.
+      rules: the generate-layout rules (`MeshSpec.generate_rules`).
+      max_concurrent_decodes: decode slots S.
+      max_prefill_length: the longest prompt.
+      max_decode_length: the longest response R; the cache holds C = prompt + response tokens.
+      prefill_buckets: prompt lengths prefill pads to (default: powers of two, then the max).
+      sampling: the default `SamplingParams` when a call passes `sampler=None`.
+      compiler_options: XLA options for every jitted function (e.g. tests lower
+        `xla_backend_optimization_level` to compile faster).
+    """
+
+    def __init__(self, model: Model, mesh, rules: Rules, *, max_concurrent_decodes: int = 64,
+                 max_prefill_length: int = 512, max_decode_length: int = 512,
+                 prefill_buckets: Sequence[int] | None = None,
+                 sampling: SamplingParams | None = None,
+                 compiler_options: dict[str, Any] | None = None):
+        if model.kind != "lm":
+            raise ConfigError("the rollout engine needs a causal LM, got a value model")
+        for name, v in (("max_concurrent_decodes", max_concurrent_decodes),
+                        ("max_prefill_length", max_prefill_length),
+                        ("max_decode_length", max_decode_length)):
+            if v < 1:
+                raise ConfigError(f"rollout engine: {name} must be >= 1, got {v}")
+        buckets = sorted(set(prefill_buckets or default_buckets(max_prefill_length)))
+        if buckets[0] < 1 or buckets[-1] > max_prefill_length:
+            raise ConfigError(
+                f"prefill_buckets {tuple(buckets)} must lie in [1, max_prefill_length "
+                f"{max_prefill_length}]"
+            )
+        if buckets[-1] < max_prefill_length:
+            buckets.append(max_prefill_length)
+        self.model = model
+        self._mesh = mesh
+        self.rules = rules
+        self._slots = max_concurrent_decodes
+        self._max_prefill = max_prefill_length
+        self.max_decode_length = max_decode_length
+        self.cache_length = max_prefill_length + max_decode_length
+        self.prefill_buckets = tuple(buckets)
+        self.default_sampling = self.resolve_sampling(sampling or SamplingParams())
+        self.param_shardings = model.shardings(mesh, rules)
+        # Traces per jitted function, keyed like `_jits`: ("prefill", b, T, T0, sampler),
+        # ("insert", b, T, sampler), ("generate", steps, sampler), ("init", key shape).
+        self.trace_counts: collections.Counter[tuple] = collections.Counter()
+        self._jits: dict[tuple, Any] = {}
+        self._jit_kw = {"compiler_options": dict(compiler_options)} if compiler_options else {}
+
+    # ------------------------------------------------------------------ JetStream properties
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._slots
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def mesh(self):
+        return self._mesh
+
+    @property
+    def colocated_cpus(self):
+        return None
+
+    # ------------------------------------------------------------------------- shardings
+
+    def _sharding(self, names, shape) -> NamedSharding:
+        return NamedSharding(self._mesh, logical_to_pspec(names, shape, self._mesh, self.rules))
+
+    def _prefix_shardings(self, b: int, t: int, m: int = 1) -> Prefix:
+        c = self.model.cfg
+        cache_shape = (c.num_hidden_layers, b, t, c.num_key_value_heads, c.head_dim)
+        cache = self._sharding(CACHE_AXES, cache_shape)
+        row = self._sharding(("cache_batch",), (b,))
+        bm = self._sharding(("cache_batch", None), (b, m))
+        return Prefix(KVCache(cache, cache), row, row, bm, bm, bm, bm)
+
+    def _result_shardings(self, b: int, t: int) -> ResultTokens:
+        bt = self._sharding(("cache_batch", None), (b, t))
+        return ResultTokens(bt, bt, self._sharding(("cache_batch",), (b,)), bt, bt)
+
+    def decode_state_shardings(self) -> DecodeState:
+        c, s, r = self.model.cfg, self._slots, self.max_decode_length
+        cache_shape = (c.num_hidden_layers, s, self.cache_length, c.num_key_value_heads,
+                       c.head_dim)
+        cache = self._sharding(CACHE_AXES, cache_shape)
+        row = self._sharding(("cache_batch",), (s,))
+        rows = self._sharding(("cache_batch", None), (s, r))
+        rep = NamedSharding(self._mesh, P())
+        return DecodeState(KVCache(cache, cache), row, row, row, row, row, rows, rows, rows,
+                           rep, rep)
+
+    def get_prefix_destination_sharding(self, batch: int = 1, length: int | None = None,
+                                        num_samples: int = 1):
+        """Shardings of a `Prefix` of `batch` prompts padded to `length` on this engine."""
+        return self._prefix_shardings(batch, length or self._max_prefill, num_samples)
+
+    # ---------------------------------------------------------------------------- helpers
+
+    def resolve_sampling(self, sampler: SamplingParams | None) -> SamplingParams:
+        """`sampler` (or the engine's default) with its length limit filled in and checked."""
+        s = sampler or self.default_sampling
+        if s.max_response_length is None:
+            return dataclasses.replace(s, max_response_length=self.max_decode_length)
+        if s.max_response_length > self.max_decode_length:
+            raise ConfigError(
+                f"sampling max_response_length {s.max_response_length} exceeds the engine's "
+                f"max_decode_length {self.max_decode_length}"
+            )
+        return s
+
+    def _jit(self, key: tuple, build):
+        """The jitted function of `key`, built once; its traces are counted in `trace_counts`."""
+        if key not in self._jits:
+            self._jits[key] = build()
+        return self._jits[key]
+
+    def _traced(self, key: tuple) -> None:
+        self.trace_counts[key] += 1  # a Python side effect: runs once per trace
+
+    def bucket_for(self, length: int) -> int:
+        """The smallest prefill bucket that holds `length` tokens."""
+        for b in self.prefill_buckets:
+            if length <= b:
+                return b
+        raise DataError(
+            f"a prompt of {length} tokens exceeds max_prefill_length {self._max_prefill}"
+        )
+
+    def _apply_last(self, params, ids_bt, positions_bt, mask_bts, cache, write_index_b, last_b):
+        """The model on T new tokens, with logits only at row b's position `last_b[b]`."""
+        tie = self.model.cfg.tie_word_embeddings
+
+        def fn(module, ids, pos, mask, kv, wi, last):
+            x_btd, new_cache = module.model(ids, pos, mask, kv, wi)
+            x_b1d = jnp.take_along_axis(x_btd, last[:, None, None], axis=1)
+            logits = module.model.attend(x_b1d) if tie else module.lm_head(x_b1d)
+            return logits[:, 0].astype(jnp.float32), new_cache
+
+        with activation_rules(self._mesh, self.rules):
+            return self.model.module.apply(
+                {"params": params}, ids_bt, positions_bt, mask_bts, cache, write_index_b,
+                last_b, method=fn,
+            )
+
+    # ------------------------------------------------------------------------------ state
+
+    def load_params(self, params=None, *, path=None, rng=None):
+        """Parameters on the generate layout: resharded from `params`, read from an HF
+        directory `path`, or random from `rng`."""
+        if params is not None:
+            return reshard(params, self.param_shardings)
+        if path is not None:
+            from rlhf_jax.models.hf_io import load_hf_model
+
+            _, loaded = load_hf_model(path, self._mesh, self.rules)
+            return reshard(loaded, self.param_shardings)
+        return self.model.init(rng if rng is not None else jax.random.key(0), self._mesh,
+                               self.rules)
+
+    def init_decode_state(self, rng=None) -> DecodeState:
+        """All slots empty (done); `rng` seeds every request's sampling (default key 0)."""
+        rng_data = key_data(0 if rng is None else rng)
+
+        def build():
+            s, r = self._slots, self.max_decode_length
+
+            def init(rng_data):
+                self._traced(("init", rng_data.shape))
+                cache = self.model.init_cache(s, self.cache_length)
+                zi = jnp.zeros((s,), jnp.int32)
+                return DecodeState(
+                    cache, zi, zi, zi, jnp.ones((s,), bool), zi, jnp.zeros((s, r), jnp.int32),
+                    jnp.zeros((s, r), jnp.float32), jnp.zeros((s, r), jnp.float32), rng_data,
+                    jnp.zeros((), jnp.int32),
+                )
+
+            return jax.jit(init, out_shardings=self.decode_state_shardings(),
+                           **self._jit_kw)
+
+        return self._jit(("init", rng_data.shape), build)(rng_data)
+
+    def free_resource(self, slot: int) -> None:
+        """Nothing to free: the dense cache row is overwritten by the next `insert`."""
+        del slot
+
+    # ---------------------------------------------------------------------------- prefill
+
+    def prefill(self, *, params, existing_prefix: Prefix | None = None, padded_tokens,
+                true_length, sampler: SamplingParams | None = None, request_id=None,
+                rng=None, num_samples: int = 1) -> tuple[Prefix, ResultTokens]:
+        """KV cache and first sampled token(s) of right-padded prompts.
+
+        Args:
+          params: parameters on the generate layout.
+          existing_prefix: a `Prefix` the new tokens continue (same batch size).
+          padded_tokens: [T] or [b, T] int32, right-padded; padded further to a bucket.
+          true_length: int or [b]: real tokens per row.
+          sampler: the sampling rule of the first token (default: the engine's).
+          request_id: int or [b]: the request of each row (default 0..b-1); sample j of row r
+            is request `request_id[r] + j`. With `rng` it fixes all of the request's tokens.
+          rng: the rollout key (default key 0); pass the same key to `init_decode_state`.
+          num_samples: m first tokens per row, one per sample, for `bulk_insert`.
+
+        Returns:
+          (Prefix with cache [L, b, T', K, H], ResultTokens [b*m, 1] with samples_per_slot m).
+        """
+        sampler = self.resolve_sampling(sampler)
+        tokens = padded_tokens if isinstance(padded_tokens, jax.Array) else np.asarray(
+            padded_tokens, np.int32
+        )
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        b, t = tokens.shape
+        lengths = np.broadcast_to(np.asarray(true_length, np.int32), (b,)).copy()
+        t0 = 0 if existing_prefix is None else existing_prefix.cache.k.shape[2]
+        if existing_prefix is None and t > self._max_prefill:
+            raise DataError(f"prefill of {t} tokens exceeds max_prefill_length "
+                            f"{self._max_prefill}")
+        if np.any(lengths < 1) or np.any(lengths > t):
+            raise DataError(f"prefill true_length {lengths.tolist()} must lie in [1, {t}]")
+        bucket = self.bucket_for(t) if existing_prefix is None else t
+        if t0 + bucket > self.cache_length:
+            raise DataError(f"prefix of {t0} + {bucket} tokens exceeds the cache length "
+                            f"{self.cache_length}")
+        if bucket > t:
+            pad = ((0, 0), (0, bucket - t))
+            tokens = jnp.pad(tokens, pad) if isinstance(tokens, jax.Array) else np.pad(tokens,
+                                                                                         pad)
+        rids = np.arange(b, dtype=np.int32) if request_id is None else np.broadcast_to(
+            np.asarray(request_id, np.int32), (b,)).copy()
+        rng_data = key_data(0 if rng is None else rng)
+        key = ("prefill", b, bucket, t0, num_samples, sampler)
+        fn = self._jit(key, lambda: self._build_prefill(key, b, bucket, t0, num_samples,
+                                                        sampler))
+        return fn(params, existing_prefix, tokens, lengths, rids, rng_data)
+
+    def _build_prefill(self, key, b: int, t: int, t0: int, m: int, sampler: SamplingParams):
+        def prefill(params, existing, tokens_bt, lengths_b, rids_b, rng_data):
+            self._traced(key)
+            zeros = self.model.init_cache(b, t)
+            if existing is None:
+                cache, start_b = zeros, jnp.zeros((b,), jnp.int32)
+            else:
+                cache = KVCache(*(jnp.concatenate([old, new], axis=2)
+                                  for old, new in zip(existing.cache, zeros, strict=True)))
+                start_b = existing.true_length
+            positions_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+            mask_bts = cache_mask(start_b, t, t0 + t)
+            logits_bv, cache = self._apply_last(params, tokens_bt, positions_bt, mask_bts,
+                                                cache, start_b, lengths_b - 1)
+            rids_bm = rids_b[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
+            keys = request_keys(jax.random.wrap_key_data(rng_data), rids_bm.reshape(-1),
+                                jnp.zeros((b * m,), jnp.int32))
+            tok, lp, raw = sample_tokens(jnp.repeat(logits_bv, m, axis=0), keys, sampler)
+            done = is_eos(tok, sampler.eos_ids) | (sampler.max_response_length <= 1)
+            prefix = Prefix(cache, start_b + lengths_b, rids_b, *(
+                x.reshape(b, m) for x in (tok, lp, raw, done)))
+            result = ResultTokens(tok[:, None], jnp.ones((b * m, 1), bool),
+                                  jnp.ones((b * m,), jnp.int32), lp[:, None], raw[:, None],
+                                  samples_per_slot=m)
+            return prefix, result
+
+        row = self._sharding(("cache_batch",), (b,))
+        rep = NamedSharding(self._mesh, P())
+        prev = None if t0 == 0 else self._prefix_shardings(b, t0, m)
+        res = self._result_shardings(b * m, 1)
+        return jax.jit(
+            prefill,
+            in_shardings=(self.param_shardings, prev,
+                          self._sharding(("cache_batch", None), (b, t)), row, row, rep),
+            out_shardings=(self._prefix_shardings(b, t0 + t, m),
+                           res.replace(samples_per_slot=m)),
+            **self._jit_kw,
+        )
+
+    # ----------------------------------------------------------------------------- insert
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
+               request_id: Any = None) -> DecodeState:
+        """Puts sample 0 of prefix row 0 into `slot`.
+
+        `request_id` only labels the request, as in JetStream: its randomness was fixed by
+        the `request_id` given to `prefill`.
+        """
+        del request_id
+        return self.bulk_insert(prefix, decode_state, [slot])
+
+    def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int], *,
+                    rows: Sequence[int] | None = None,
+                    samples: Sequence[int] | None = None) -> DecodeState:
+        """Puts prefix samples into decode slots (the state is donated).
+
+        Args:
+          prefix: from `prefill`.
+          decode_state: the state to insert into.
+          slots: target slots.
+          rows: the prefix row of each slot (default 0: JetStream's one prefix, many slots).
+          samples: the sample of each slot (default 0, 1, ... modulo the prefix's samples).
+
+        One compile per prefix shape: the slot list is padded to `max_concurrent_decodes`.
+        """
+        k = len(slots)
+        b, t = prefix.cache.k.shape[1], prefix.cache.k.shape[2]
+        m = prefix.tokens.shape[1]
+        if k > self._slots:
+            raise ConfigError(f"bulk_insert of {k} slots into {self._slots}")
+        pad = lambda x, fill: np.concatenate(
+            [np.asarray(x, np.int32), np.full(self._slots - k, fill, np.int32)])
+        rows_ = pad(np.zeros(k) if rows is None else rows, 0)
+        samples_ = pad(np.arange(k) % m if samples is None else samples, 0)
+        slots_ = pad(slots, self._slots)  # out of range: dropped by the scatter
+        key = ("insert", b, t, m)
+        fn = self._jit(key, lambda: self._build_insert(key, b, t, m))
+        return fn(decode_state, prefix, rows_, samples_, slots_)
+
+    def _build_insert(self, key, b: int, t: int, m: int):
+        r = self.max_decode_length
+
+        def insert(state: DecodeState, prefix: Prefix, rows_k, samples_k, slots_k):
+            self._traced(key)
+            first_kr = jnp.arange(r)[None] == 0
+            pick = lambda x: x[rows_k, samples_k]
+
+            def put(x, v):
+                return x.at[slots_k].set(v, mode="drop")
+
+            def put_first(x, v_k, fill):
+                return put(x, jnp.where(first_kr, v_k[:, None], fill).astype(x.dtype))
+
+            cache = KVCache(*(
+                c.at[:, slots_k, :t].set(p[:, rows_k], mode="drop")
+                for c, p in zip(state.cache, prefix.cache, strict=True)
+            ))
+            return dataclasses.replace(
+                state, cache=cache, tokens=put(state.tokens, pick(prefix.tokens)),
+                write_index=put(state.write_index, prefix.true_length[rows_k]),
+                generated=put(state.generated, jnp.ones_like(slots_k)),
+                done=put(state.done, pick(prefix.done)),
+                request_id=put(state.request_id, prefix.request_id[rows_k] + samples_k),
+                response=put_first(state.response, pick(prefix.tokens), 0),
+                log_probs=put_first(state.log_probs, pick(prefix.log_probs), 0.0),
+                raw_log_probs=put_first(state.raw_log_probs, pick(prefix.raw_log_probs), 0.0),
+            )
+
+        st = self.decode_state_shardings()
+        rep = NamedSharding(self._mesh, P())
+        return jax.jit(insert, in_shardings=(st, self._prefix_shardings(b, t, m), rep, rep, rep),
+                       out_shardings=st, donate_argnums=0, **self._jit_kw)
+
+    # --------------------------------------------------------------------------- generate
+
+    def _step(self, params, state: DecodeState, sampler: SamplingParams):
+        """One token for every slot: (new state, tokens [S], valid [S], lp [S], raw [S])."""
+        s = self._slots
+        active_s = ~state.done
+        wi_s = state.write_index
+        mask_sts = cache_mask(wi_s, 1, self.cache_length)
+        logits_sv, cache = self._apply_last(params, state.tokens[:, None], wi_s[:, None],
+                                            mask_sts, state.cache, wi_s, jnp.zeros((s,), jnp.int32))
+        keys = request_keys(jax.random.wrap_key_data(state.rng), state.request_id,
+                            state.generated)
+        tok_s, lp_s, raw_s = sample_tokens(logits_sv, keys, sampler)
+        col_sr = (jnp.arange(self.max_decode_length)[None] == state.generated[:, None])
+        col_sr &= active_s[:, None]
+        generated_s = state.generated + active_s
+        finished_s = is_eos(tok_s, sampler.eos_ids) | (generated_s >= sampler.max_response_length)
+        new = dataclasses.replace(
+            state, cache=cache, tokens=jnp.where(active_s, tok_s, state.tokens),
+            write_index=wi_s + active_s, generated=generated_s,
+            done=state.done | (active_s & finished_s),
+            response=jnp.where(col_sr, tok_s[:, None], state.response),
+            log_probs=jnp.where(col_sr, lp_s[:, None], state.log_probs),
+            raw_log_probs=jnp.where(col_sr, raw_s[:, None], state.raw_log_probs),
+            steps=state.steps + 1,
+        )
+        return new, (tok_s, active_s, lp_s, raw_s)
+
+    def generate(self, params, decode_state: DecodeState,
+                 sampler: SamplingParams | None = None) -> tuple[DecodeState, ResultTokens]:
+        """One token for every active slot (the state is donated)."""
+        return self.generate_steps(params, decode_state, 1, sampler)
+
+    def generate_steps(self, params, decode_state: DecodeState, num_steps: int,
+                       sampler: SamplingParams | None = None, *,
+                       stop_after_finished: int | None = None):
+        """Up to `num_steps` generate steps in one jitted `while_loop`.
+
+        The loop stops early once every slot is done, or once `stop_after_finished` more
+        slots have finished than at the start (a dynamic argument: no recompile), so that a
+        caller with queued requests can refill them at once. ResultTokens are [S, num_steps];
+        steps not run are not valid.
+        """
+        sampler = self.resolve_sampling(sampler)
+        fn = self._jit(("generate", num_steps, sampler),
+                       lambda: self._build_generate(num_steps, sampler))
+        stop = self._slots + 1 if stop_after_finished is None else max(1, stop_after_finished)
+        return fn(params, decode_state, np.int32(stop))
+
+    def _build_generate(self, k: int, sampler: SamplingParams):
+        s = self._slots
+
+        def generate(params, state: DecodeState, stop_after):
+            self._traced(("generate", k, sampler))
+            zi, zf = jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
+            bufs = (zi, jnp.zeros((s, k), bool), zf, zf)
+            done_at_start = jnp.sum(state.done)
+
+            def cond(carry):
+                i, st, _ = carry
+                newly = jnp.sum(st.done) - done_at_start
+                return (i < k) & ~jnp.all(st.done) & (newly < stop_after)
+
+            def body(carry):
+                i, st, bufs = carry
+                st, outs = self._step(params, st, sampler)
+                bufs = tuple(jax.lax.dynamic_update_slice(b_, o[:, None], (0, i))
+                             for b_, o in zip(bufs, outs, strict=True))
+                return i + 1, st, bufs
+
+            _, state, (tok, valid, lp, raw) = jax.lax.while_loop(cond, body, (0, state, bufs))
+            return state, ResultTokens(tok, valid, state.generated, lp, raw)
+
+        st = self.decode_state_shardings()
+        rep = NamedSharding(self._mesh, P())
+        return jax.jit(generate, in_shardings=(self.param_shardings, st, rep),
+                       out_shardings=(st, self._result_shardings(s, k)), donate_argnums=1,
+                       **self._jit_kw)

@@ -1,0 +1,298 @@
+"""Jit-compiled steps of the actor and the critic: log-probs, values, and PPO updates.
+
+Every step follows one contract, `step(state, batch) -> (state, metrics)`, with static settings
+bound by `functools.partial` and `jax.jit` given explicit shardings and a donated state.
+
+An update receives its whole PPO batch already arranged on host as `[U, K, m, ...]`: U optimizer
+updates (ppo_epochs x mini-batches, shuffled), each accumulated over K micro-batches of m rows
+(m = micro-batch per device x data-parallel size). Both loops are `lax.scan`s inside one
+compiled call, and every loss uses the *global* token / sequence count of its mini-batch
+(`core_algos`), so the result does not depend on K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rlhf_jax import core_algos
+from rlhf_jax.models import Model
+
+
+class TrainState(NamedTuple):
+    """Parameters and optimizer state of one role, plus the rollback learning-rate scale."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array  # optimizer steps taken (int32)
+    lr_scale: jax.Array  # multiplies the schedule; rollback lowers it (float32)
+    skipped: jax.Array  # updates skipped for a non-finite gradient norm (int32)
+
+
+class Sequences(NamedTuple):
+    """A batch of prompt + response sequences, `[..., B, T]` with T = P + R."""
+
+    input_ids: jax.Array  # [..., B, T] int32, prompt left-padded, response right-padded
+    attention_mask: jax.Array  # [..., B, T] int32
+    responses: jax.Array  # [..., B, R] int32
+    response_mask: jax.Array  # [..., B, R] int32, 1 up to and including EOS
+
+
+class ActorBatch(NamedTuple):
+    seqs: Sequences
+    old_log_probs: jax.Array  # [U, K, m, R]
+    advantages: jax.Array
+    ref_log_probs: jax.Array  # zeros when the KL loss is off
+    token_count: jax.Array  # [U] valid response tokens of each mini-batch
+    seq_count: jax.Array  # [U] sequences of each mini-batch
+
+
+class CriticBatch(NamedTuple):
+    seqs: Sequences
+    values: jax.Array  # [U, K, m, R] values of the rollout (the clipping anchor)
+    returns: jax.Array
+    token_count: jax.Array
+    seq_count: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    warmup_style: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0
+    total_steps: int = 1
+    grad_clip: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorLoss:
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    temperature: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticLoss:
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+
+def lr_schedule(cfg: OptimConfig):
+    """verl's schedules: linear warm-up, then constant or cosine down to min_lr_ratio * lr."""
+    warm = max(cfg.warmup_steps, 0)
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        ramp = jnp.where(warm > 0, jnp.minimum(step / max(warm, 1), 1.0), 1.0)
+        if cfg.warmup_style == "cosine":
+            span = max(cfg.total_steps - warm, 1)
+            progress = jnp.clip((step - warm) / span, 0.0, 1.0)
+            cos = 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+            decay = cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cos
+            return cfg.lr * jnp.where(step < warm, ramp, decay)
+        return cfg.lr * ramp
+
+    return schedule
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """AdamW on the schedule; clipping and the rollback scale are applied by the update."""
+    return optax.adamw(
+        lr_schedule(cfg), b1=cfg.betas[0], b2=cfg.betas[1], eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+    )
+
+
+def init_state(params, tx: optax.GradientTransformation) -> TrainState:
+    """A fresh state; the optimizer moments inherit the parameters' shardings."""
+    opt_state = jax.jit(tx.init)(params)
+    state = TrainState(
+        params, opt_state, jnp.zeros((), jnp.int32), jnp.ones((), jnp.float32),
+        jnp.zeros((), jnp.int32),
+    )
+    # Scalars (steps, counts) go onto the parameters' mesh, replicated, so that the state's
+    # shardings are the same before and after a step and the step compiles once.
+    mesh_of = [x.sharding.mesh for x in jax.tree.leaves(params)
+               if isinstance(x.sharding, jax.sharding.NamedSharding)]
+    if not mesh_of:
+        return state
+    replicated = jax.sharding.NamedSharding(mesh_of[0], jax.sharding.PartitionSpec())
+    return jax.tree.map(
+        lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding)
+        else jax.device_put(x, replicated),
+        state,
+    )
+
+
+# ----------------------------------------------------------------------------- forward passes
+
+
+def response_logits(model: Model, params, seqs: Sequences, temperature: float = 1.0):
+    """Logits that predict each response token: [B, R, V] (divided by the temperature)."""
+    r = seqs.responses.shape[-1]
+    logits_btv = model.forward(params, seqs.input_ids, seqs.attention_mask)
+    return logits_btv[:, -r - 1 : -1] / temperature
+
+
+def response_values(model: Model, params, seqs: Sequences):
+    """Values of the state before each response token, zero outside the mask: [B, R]."""
+    r = seqs.responses.shape[-1]
+    values_bt = model.forward(params, seqs.input_ids, seqs.attention_mask)
+    return values_bt[:, -r - 1 : -1] * seqs.response_mask
+
+
+def log_probs_step(params, seqs: Sequences, *, model: Model, temperature: float,
+                   with_entropy: bool = False):
+    """Log-probs (and entropy) of the responses, micro-batched over the leading axis.
+
+    Args:
+      seqs: arrays `[K, m, ...]`; K chunks run one after another (bounds activation memory).
+    Returns:
+      log_probs `[K, m, R]` (and entropy `[K, m, R]` if `with_entropy`).
+    """
+
+    def one(chunk: Sequences):
+        logits = response_logits(model, params, chunk, temperature)
+        logp = core_algos.logprobs_from_logits(logits, chunk.responses)
+        if with_entropy:
+            return logp, core_algos.entropy_from_logits(logits)
+        return logp
+
+    return jax.lax.map(one, seqs)
+
+
+def values_step(params, seqs: Sequences, *, model: Model):
+    """Critic values `[K, m, R]` of `[K, m, ...]` chunks."""
+    return jax.lax.map(lambda chunk: response_values(model, params, chunk), seqs)
+
+
+# ------------------------------------------------------------------------------------ updates
+
+
+def _actor_micro_loss(params, mb, token_count, seq_count, *, model: Model, loss: ActorLoss):
+    seqs, old_logp, adv, ref_logp = mb
+    mask = seqs.response_mask
+    logits = response_logits(model, params, seqs, loss.temperature)
+    logp = core_algos.logprobs_from_logits(logits, seqs.responses)
+    denoms = dict(global_token_count=token_count, global_seq_count=seq_count)
+    pg_loss, pg_metrics = core_algos.compute_policy_loss(
+        old_logp, logp, adv, mask, clip_ratio=loss.clip_ratio,
+        clip_ratio_low=loss.clip_ratio_low, clip_ratio_high=loss.clip_ratio_high,
+        clip_ratio_c=loss.clip_ratio_c, loss_agg_mode=loss.loss_agg_mode, **denoms,
+    )
+    entropy = core_algos.agg_loss(
+        core_algos.entropy_from_logits(logits), mask, loss.loss_agg_mode, **denoms
+    )
+    total = pg_loss - loss.entropy_coeff * entropy
+    metrics = {"actor/pg_loss": pg_loss, "actor/entropy": entropy}
+    metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
+    if loss.use_kl_loss:
+        kl = core_algos.kl_penalty(logp, ref_logp, loss.kl_loss_type)
+        kl_loss = core_algos.agg_loss(kl, mask, loss.loss_agg_mode, **denoms)
+        total = total + loss.kl_loss_coef * kl_loss
+        metrics["actor/kl_loss"] = kl_loss
+    return total, metrics
+
+
+def _critic_micro_loss(params, mb, token_count, seq_count, *, model: Model, loss: CriticLoss):
+    seqs, old_values, returns = mb
+    vpreds = response_values(model, params, seqs)
+    vf_loss, vf_clipfrac = core_algos.compute_value_loss(
+        vpreds, returns, old_values, seqs.response_mask, cliprange_value=loss.cliprange_value,
+        loss_agg_mode=loss.loss_agg_mode, global_token_count=token_count,
+        global_seq_count=seq_count,
+    )
+    vpred_mean = jnp.sum(vpreds * seqs.response_mask) / jnp.maximum(token_count, 1)
+    metrics = {
+        "critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac,
+        "critic/vpred_mean": vpred_mean,
+    }
+    return vf_loss, metrics
+
+
+def _update(state: TrainState, micro_batches, counts, *, micro_loss, tx, schedule,
+            grad_clip: float, prefix: str):
+    """All optimizer updates of one PPO update: scan over U updates, each over K micro-batches."""
+
+    def one_update(state: TrainState, xs):
+        mbs, token_count, seq_count = xs
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def accumulate(carry, mb):
+            grads, metrics = carry
+            (_, m), g = grad_fn(state.params, mb, token_count, seq_count)
+            return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, metrics, m)), None
+
+        zeros_g = jax.tree.map(jnp.zeros_like, state.params)
+        first = jax.tree.map(lambda x: x[0], mbs)
+        zeros_m = jax.tree.map(
+            jnp.zeros_like,
+            jax.eval_shape(lambda: micro_loss(state.params, first, token_count, seq_count)[1]),
+        )
+        (grads, metrics), _ = jax.lax.scan(accumulate, (zeros_g, zeros_m), mbs)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm)
+        scale = jnp.minimum(1.0, grad_clip / (grad_norm + 1e-6)) if grad_clip > 0 else 1.0
+        grads = jax.tree.map(lambda g: jnp.where(finite, g * scale, 0.0), grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(
+            state.params, jax.tree.map(lambda u: u * state.lr_scale, updates)
+        )
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        new_state = TrainState(
+            keep(params, state.params), keep(opt_state, state.opt_state),
+            state.step + finite.astype(jnp.int32), state.lr_scale,
+            state.skipped + (~finite).astype(jnp.int32),
+        )
+        metrics = dict(metrics)
+        metrics[f"{prefix}/grad_norm"] = grad_norm
+        metrics[f"{prefix}/lr"] = schedule(state.step) * state.lr_scale
+        return new_state, metrics
+
+    state, metrics = jax.lax.scan(one_update, state, (micro_batches, *counts))
+    out = {k: jnp.mean(v) for k, v in metrics.items()}
+    out[f"{prefix}/skipped_updates"] = state.skipped
+    return state, out
+
+
+def actor_update(state: TrainState, batch: ActorBatch, *, model: Model, loss: ActorLoss,
+                 optim: OptimConfig):
+    """PPO actor update (clip + dual clip + entropy + optional KL loss). Returns (state, metrics)."""
+    micro_loss = functools.partial(_actor_micro_loss, model=model, loss=loss)
+    mbs = (batch.seqs, batch.old_log_probs, batch.advantages, batch.ref_log_probs)
+    state, metrics = _update(
+        state, mbs, (batch.token_count, batch.seq_count), micro_loss=micro_loss,
+        tx=make_optimizer(optim), schedule=lr_schedule(optim), grad_clip=optim.grad_clip,
+        prefix="actor",
+    )
+    if loss.use_kl_loss:
+        metrics["actor/kl_coef"] = jnp.asarray(loss.kl_loss_coef, jnp.float32)
+    return state, metrics
+
+
+def critic_update(state: TrainState, batch: CriticBatch, *, model: Model, loss: CriticLoss,
+                  optim: OptimConfig):
+    """Clipped value-loss update of the critic. Returns (state, metrics)."""
+    micro_loss = functools.partial(_critic_micro_loss, model=model, loss=loss)
+    mbs = (batch.seqs, batch.values, batch.returns)
+    return _update(
+        state, mbs, (batch.token_count, batch.seq_count), micro_loss=micro_loss,
+        tx=make_optimizer(optim), schedule=lr_schedule(optim), grad_clip=optim.grad_clip,
+        prefix="critic",
+    )

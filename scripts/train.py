@@ -1,0 +1,55 @@
+"""Train a policy with PPO: `python scripts/train.py --config configs/X.yaml [key=value ...]`.
+
+Overrides use verl's dotted keys (`actor_rollout_ref.actor.optim.lr=1e-6`, `mesh=gpu-8`);
+`--print-config` prints the effective config as YAML and exits without importing jax.
+Configuration and input errors print one line (`error: ...`) and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from rlhf_jax.config import load_config, to_yaml
+from rlhf_jax.errors import UserError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_tiny_cpu.yaml"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG),
+                        help="a YAML config (default: configs/ppo_tiny_cpu.yaml)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective config as YAML and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides, values in YAML: a.b=1e-6 a.c=[1,2] a.d=null")
+    # Intermixed: flags may follow the overrides (`train.py a.b=1 --print-config`).
+    return parser.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            sys.stdout.write(to_yaml(cfg))
+            return 0
+        try:  # lazy: jax loads only when training
+            trainer = importlib.import_module("rlhf_jax.trainer")
+        except ModuleNotFoundError as exc:
+            if exc.name != "rlhf_jax.trainer":
+                raise
+            print("error: the trainer is not built yet", file=sys.stderr)
+            return 2
+        trainer.train(cfg)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The compiled actor / critic updates: micro-batching is exact, sharding does not change them."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhf_jax import batching
+from rlhf_jax import train_steps as ts
+from rlhf_jax.mesh import load_mesh_spec, make_mesh
+from rlhf_jax.models import Model, ModelConfig
+
+CFG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+N, P, R = 16, 5, 4
+
+
+def _rollout(seed=0):
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 32, (N, P)).astype(np.int32)
+    pmask = np.ones((N, P), np.int32)
+    pmask[::3, :2] = 0  # left padding
+    resp = rng.integers(0, 32, (N, R)).astype(np.int32)
+    lengths = rng.integers(1, R + 1, N)
+    rmask = (np.arange(R)[None] < lengths[:, None]).astype(np.int32)
+    seqs = ts.Sequences(np.concatenate([prompt, resp], 1), np.concatenate([pmask, rmask], 1),
+                        resp, rmask)
+    extra = {
+        "old": rng.normal(-3.0, 0.3, (N, R)).astype(np.float32) * rmask,
+        "adv": rng.normal(0.0, 1.0, (N, R)).astype(np.float32) * rmask,
+        "ref": rng.normal(-3.0, 0.3, (N, R)).astype(np.float32) * rmask,
+        "values": rng.normal(0.0, 1.0, (N, R)).astype(np.float32) * rmask,
+        "returns": rng.normal(0.0, 1.0, (N, R)).astype(np.float32) * rmask,
+    }
+    return seqs, extra
+
+
+def _arrange(plan, seqs, extra, mesh, axes):
+    order = plan.order(0)
+    host = jax.tree.map(lambda x: x[order], (seqs, extra))
+    mask = host[0].response_mask
+    tok = jnp.asarray(mask.sum(axis=(1, 2, 3)), jnp.float32)
+    sq = jnp.asarray((mask.sum(-1) > 0).sum(axis=(1, 2)), jnp.float32)
+    return batching.put(host, mesh, axes, lead=2), tok, sq
+
+
+def _run_actor(mesh_name, micro, mode="token-mean", kind="actor"):
+    spec = load_mesh_spec(mesh_name)
+    mesh = make_mesh(spec)
+    axes = dict(spec.train_rules)["batch"]
+    model = Model(CFG, kind="lm" if kind == "actor" else "value")
+    params = model.init(jax.random.key(0), mesh, spec.train_rules)
+    optim = ts.OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
+    state = ts.init_state(params, ts.make_optimizer(optim))
+    plan = batching.Plan(N, mini_batch=8, micro_batch=micro, epochs=2, shuffle=True)
+    seqs, extra = _rollout()
+    (s, ex), tok, sq = _arrange(plan, seqs, extra, mesh, axes)
+    if kind == "actor":
+        step = functools.partial(
+            ts.actor_update, model=model, optim=optim,
+            loss=ts.ActorLoss(loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True),
+        )
+        batch = ts.ActorBatch(s, ex["old"], ex["adv"], ex["ref"], tok, sq)
+    else:
+        step = functools.partial(ts.critic_update, model=model, optim=optim,
+                                 loss=ts.CriticLoss(0.2, mode))
+        batch = ts.CriticBatch(s, ex["values"], ex["returns"], tok, sq)
+    state, metrics = jax.jit(step)(state, batch)
+    return jax.device_get(state.params), jax.device_get(metrics), state
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_2_equals_8(mode):
+    p2, m2, _ = _run_actor("single", 2, mode)
+    p8, m8, _ = _run_actor("single", 8, mode)
+    for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p8), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    for k in m8:
+        np.testing.assert_allclose(m2[k], m8[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_critic_micro_batching_and_sharding():
+    p2, m2, _ = _run_actor("single", 2, kind="critic")
+    p8, m8, _ = _run_actor("cpu-8", 8, kind="critic")
+    for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p8), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert m2["critic/vf_loss"] == pytest.approx(m8["critic/vf_loss"], rel=1e-4)
+
+
+def test_sharded_update_equals_single_device_and_params_move():
+    p1, m1, state = _run_actor("single", 8)
+    p8, m8, _ = _run_actor("cpu-8", 4)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert int(state.step) == 4  # 2 epochs x 2 mini-batches, one optimizer step each
+    init = Model(CFG).init(jax.random.key(0), make_mesh(load_mesh_spec("single")), ())
+    moved = max(float(np.abs(a - np.asarray(b)).max())
+                for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(init), strict=True))
+    assert moved > 1e-3
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
+                "actor/kl_loss", "actor/grad_norm", "actor/lr"):
+        assert np.isfinite(m1[key]) and key in m8
+
+
+def test_non_finite_gradient_skips_the_update():
+    spec = load_mesh_spec("single")
+    mesh = make_mesh(spec)
+    model = Model(CFG)
+    params = model.init(jax.random.key(0), mesh, spec.train_rules)
+    optim = ts.OptimConfig(lr=1e-2)
+    state = ts.init_state(params, ts.make_optimizer(optim))
+    plan = batching.Plan(N, mini_batch=16, micro_batch=16, epochs=1, shuffle=False)
+    seqs, extra = _rollout()
+    extra["adv"][0, 0] = np.nan
+    (s, ex), tok, sq = _arrange(plan, seqs, extra, mesh, ("data", "fsdp"))
+    step = jax.jit(functools.partial(ts.actor_update, model=model, optim=optim,
+                                     loss=ts.ActorLoss()))
+    new, metrics = step(state, ts.ActorBatch(s, ex["old"], ex["adv"], ex["ref"], tok, sq))
+    assert int(new.skipped) == 1 and int(new.step) == 0
+    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.isfinite(float(metrics["actor/grad_norm"]))
+
+
+def test_update_compiles_once():
+    spec = load_mesh_spec("single")
+    mesh = make_mesh(spec)
+    model = Model(CFG)
+    optim = ts.OptimConfig(lr=1e-3)
+    state = ts.init_state(model.init(jax.random.key(0), mesh, spec.train_rules),
+                          ts.make_optimizer(optim))
+    plan = batching.Plan(N, mini_batch=8, micro_batch=4, epochs=1)
+    @chex.assert_max_traces(n=1)
+    def update(state, batch):
+        return ts.actor_update(state, batch, model=model, optim=optim, loss=ts.ActorLoss())
+
+    sh = jax.tree.map(lambda x: x.sharding, state)  # as the trainer jits it
+    step = jax.jit(update, in_shardings=(sh, None), out_shardings=(sh, None), donate_argnums=0)
+
+    for seed in range(3):
+        seqs, extra = _rollout(seed)
+        (s, ex), tok, sq = _arrange(plan, seqs, extra, mesh, ("data", "fsdp"))
+        state, _ = step(state, ts.ActorBatch(s, ex["old"], ex["adv"], ex["ref"], tok, sq))
+
+
+def test_lr_schedules():
+    const = ts.lr_schedule(ts.OptimConfig(lr=1.0, warmup_steps=4))
+    assert [float(const(s)) for s in (0, 2, 4, 10)] == [0.0, 0.5, 1.0, 1.0]
+    cos = ts.lr_schedule(ts.OptimConfig(lr=1.0, warmup_steps=0, warmup_style="cosine",
+                                        min_lr_ratio=0.1, total_steps=10))
+    assert float(cos(0)) == pytest.approx(1.0)
+    assert float(cos(5)) == pytest.approx(0.55)
+    assert float(cos(10)) == pytest.approx(0.1)
