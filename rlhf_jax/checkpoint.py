@@ -166,8 +166,9 @@ class Checkpointer:
     # ---------------------------------------------------------------------------- restoring
 
     def latest_step(self) -> int | None:
-        """The newest step on disk, or None (a save still in flight counts)."""
-        return self._mgr.latest_step()
+        """The highest step on disk, or None (a save still in flight counts)."""
+        steps = self._mgr.all_steps()
+        return max(steps) if steps else None
 
     def all_steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
@@ -267,8 +268,8 @@ class Checkpointer:
         if not self.directory.is_dir():
             return
         for p in sorted(self.directory.glob(f"*{_TMP_SUFFIX}*")):
-            warnings.warn(f"removing partly written checkpoint {p} (a save that never finished)",
-                          CheckpointWarning, stacklevel=3)
+            warnings.warn(f"ignoring partly written checkpoint {p} (a save that never finished; "
+                          "removed at the next save)", CheckpointWarning, stacklevel=3)
 
     # ------------------------------------------------------------------------------ closing
 

@@ -273,7 +273,7 @@ def _update(state: TrainState, micro_batches, counts, *, micro_loss, tx, schedul
 
 def actor_update(state: TrainState, batch: ActorBatch, *, model: Model, loss: ActorLoss,
                  optim: OptimConfig):
-    """PPO actor update (clip + dual clip + entropy + optional KL loss). Returns (state, metrics)."""
+    """PPO actor update: clip + dual clip + entropy + optional KL loss -> (state, metrics)."""
     micro_loss = functools.partial(_actor_micro_loss, model=model, loss=loss)
     mbs = (batch.seqs, batch.old_log_probs, batch.advantages, batch.ref_log_probs)
     state, metrics = _update(

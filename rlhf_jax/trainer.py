@@ -115,7 +115,7 @@ class Trainer:
         cfg, lay = self.cfg, self.layouts
         arr = cfg.actor_rollout_ref
         rng = jax.random.key(cfg.trainer.seed)
-        self.actor_model = roles.actor_model(cfg)
+        self.actor_model = roles.actor_model(cfg).with_layout(lay.mesh, lay.spec.train_rules)
         params = roles.load_or_init(self.actor_model, arr.model.path, lay, rng)
         self.actor_optim = roles.optim_config(arr.actor.optim, arr.actor.grad_clip,
                                               self.total_steps)
@@ -125,6 +125,7 @@ class Trainer:
         self.critic = None
         if cfg.critic.enable:
             self.critic_model, path = roles.critic_model(cfg)
+            self.critic_model = self.critic_model.with_layout(lay.mesh, lay.spec.train_rules)
             critic_params = roles.load_or_init(self.critic_model, path, lay,
                                                jax.random.fold_in(rng, 1))
             self.critic_optim = roles.optim_config(cfg.critic.optim, cfg.critic.grad_clip,
@@ -134,7 +135,8 @@ class Trainer:
         self.gen_params = reshard(self.actor.params, self.gen_shardings)
         ro, d = arr.rollout, cfg.data
         self.engine = Engine(
-            self.actor_model, lay.mesh, lay.spec.generate_rules,
+            self.actor_model.with_layout(lay.mesh, lay.spec.generate_rules), lay.mesh,
+            lay.spec.generate_rules,
             max_concurrent_decodes=ro.max_concurrent_decodes,
             max_prefill_length=d.max_prompt_length, max_decode_length=d.max_response_length,
             prefill_buckets=ro.prefill_buckets,
@@ -192,7 +194,7 @@ class Trainer:
         src = ro.val_kwargs if validate else ro
         greedy = not src.do_sample or src.temperature == 0
         return SamplingParams(
-            temperature=1.0 if greedy else src.temperature, top_k=1 if greedy else src.top_k,
+            temperature=src.temperature if src.temperature > 0 else 1.0, top_k=src.top_k,
             top_p=src.top_p, do_sample=not greedy,
             max_response_length=self.cfg.data.max_response_length,
             eos_ids=tuple(self.tokenizer.eos_token_ids), pad_id=self.tokenizer.pad_token_id,
@@ -401,6 +403,12 @@ class Trainer:
                 metrics.update(self.validate())
             history.append(metrics)
             self.log(metrics)
+            recent = [m["critic/score/mean"] for m in history[-5:]]
+            if (t.early_stop_score is not None and len(recent) == 5
+                    and np.mean(recent) >= t.early_stop_score):
+                print(f"early stop at step {self.global_step}: mean score of the last 5 steps "
+                      f"{np.mean(recent):.3f} >= {t.early_stop_score}", flush=True)
+                break
         for tracker in self.trackers:
             tracker.close()
         return history

@@ -277,6 +277,8 @@ class TrainerConfig(Section):
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: str | None = None  # required when resume_mode is resume_path
     critic_warmup: int = 0  # steps that update only the critic
+    # Stop once the mean critic/score/mean of the last 5 steps reaches this (null: never).
+    early_stop_score: float | None = None
     max_ckpt_to_keep: int | None = None  # null: keep all
     seed: int = 0
     log_val_generations: int = 0

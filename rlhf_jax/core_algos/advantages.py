@@ -85,8 +85,9 @@ def _replicated(x):
     Group statistics mix rows of every shard; on a `[batch]` vector gathering is cheap and
     spares the scatter of `segment_sum` an ambiguous output sharding. A no-op otherwise.
     """
-    if any(p is not None for p in jax.typeof(x).sharding.spec):
-        return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+    sharding = jax.typeof(x).sharding
+    if any(p is not None for p in sharding.spec):
+        return jax.sharding.reshard(x, sharding.update(spec=jax.sharding.PartitionSpec()))
     return x
 
 

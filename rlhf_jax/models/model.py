@@ -9,13 +9,14 @@
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rlhf_jax.mesh import Rules, tree_shardings
+from rlhf_jax.mesh import Rules, activation_rules, tree_shardings
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.models.transformer import CausalLM, KVCache, ValueModel
 
@@ -53,6 +54,16 @@ class Model:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    # Set by `with_layout`: activations inside forward/decode are pinned by these rules.
+    mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
+    rules: Rules = dataclasses.field(default=(), compare=False, repr=False)
+
+    def with_layout(self, mesh, rules: Rules) -> Model:
+        """The same model whose forward/decode constrain activations to `mesh` by `rules`."""
+        return dataclasses.replace(self, mesh=mesh, rules=rules)
+
+    def _layout(self):
+        return activation_rules(self.mesh, self.rules) if self.mesh is not None else nullcontext()
 
     @property
     def module(self) -> nn.Module:
@@ -89,10 +100,11 @@ class Model:
 
     def forward(self, params, input_ids_bt, attention_mask_bt):
         """Full-sequence forward of a (left-)padded batch: logits [B,T,V] or values [B,T]."""
-        out, _ = self.module.apply(
-            {"params": params}, input_ids_bt, positions_from_mask(attention_mask_bt),
-            causal_mask(attention_mask_bt),
-        )
+        with self._layout():
+            out, _ = self.module.apply(
+                {"params": params}, input_ids_bt, positions_from_mask(attention_mask_bt),
+                causal_mask(attention_mask_bt),
+            )
         return out
 
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> KVCache:
@@ -118,6 +130,7 @@ class Model:
         """
         assert self.kind == "lm", "decode needs a causal LM"
         mask_bts = cache_mask(write_index_b, input_ids_bt.shape[1], cache.k.shape[2], kv_mask_bs)
-        return self.module.apply(
-            {"params": params}, input_ids_bt, positions_bt, mask_bts, cache, write_index_b
-        )
+        with self._layout():
+            return self.module.apply(
+                {"params": params}, input_ids_bt, positions_bt, mask_bts, cache, write_index_b
+            )

@@ -69,6 +69,29 @@ def _write(cache_bskh, new_btkh, write_index_b):
     )
 
 
+class Embed(nn.Module):
+    """Token embedding [V, D]; the table is gathered over `fsdp` before the lookup (FSDP-style),
+    which keeps the gather local instead of a full rematerialisation by the SPMD partitioner."""
+
+    vocab_size: int
+    features: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        self.embedding = self.param(
+            "embedding", _dense_init(("vocab", "embed")), (self.vocab_size, self.features),
+            self.param_dtype,
+        )
+
+    def __call__(self, ids_bt):
+        table_vd = constrain(self.embedding, ("vocab", None))
+        return jnp.take(table_vd, ids_bt, axis=0).astype(self.dtype)
+
+    def attend(self, x_btd):
+        return jnp.einsum("BTD,VD->BTV", x_btd, self.embedding.astype(self.dtype))
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     dtype: Any = jnp.float32
@@ -168,9 +191,8 @@ class Backbone(nn.Module):
     remat: bool = False
 
     def setup(self):
-        self.embed_tokens = nn.Embed(
-            self.cfg.vocab_size, self.cfg.hidden_size, dtype=self.dtype,
-            param_dtype=self.param_dtype, embedding_init=_dense_init(("vocab", "embed")),
+        self.embed_tokens = Embed(
+            self.cfg.vocab_size, self.cfg.hidden_size, self.dtype, self.param_dtype
         )
         layer = DecoderLayer
         if self.remat:

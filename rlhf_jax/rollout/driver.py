@@ -50,8 +50,8 @@ def prompt_rows(prompt_ids, prompt_mask, max_len: int, truncation: Truncation = 
     Returns:
       A list of int32 arrays, one per row.
     """
-    ids = np.asarray(prompt_ids)
-    mask = np.asarray(prompt_mask).astype(bool)
+    ids, mask = (np.asarray(jax.device_get(x)) for x in (prompt_ids, prompt_mask))
+    mask = mask.astype(bool)
     if ids.ndim != 2 or ids.shape != mask.shape:
         raise DataError(f"prompt_ids {ids.shape} and prompt_mask {mask.shape} must be the "
                         f"same [batch, length] shape")
@@ -190,11 +190,13 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
 
     state = run.refill(engine.init_decode_state(rng))
     while run.busy():
-        pending = run.next_request < run.total
+        # With requests waiting, return as soon as `refill_min_free` slots can take them.
+        empty = sum(r < 0 for r in run.slot_request)
+        stop = empty + refill_min_free if run.next_request < run.total else None
         state, _ = engine.generate_steps(params, state, steps_per_call, sampling,
-                                         stop_after_finished=refill_min_free if pending else None)
+                                         stop_when_done=stop)
         run.stats["generate_calls"] += 1
-        done = np.asarray(state.done)
+        done = jax.device_get(state.done)  # the one sync per call: which slots finished
         finished = [s for s, rid in enumerate(run.slot_request) if rid >= 0 and done[s]]
         if finished:
             resp, lp, raw, gen = jax.device_get(
@@ -208,7 +210,7 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
                 lengths[rid] = k
                 run.slot_request[s] = -1
             state = run.refill(state)
-    run.stats["decode_steps"] = int(state.steps)
+    run.stats["decode_steps"] = int(jax.device_get(state.steps))
     mask = (np.arange(r)[None] < lengths[:, None]).astype(np.int32)
     run.stats["tokens_generated"] = int(lengths.sum())
     return RolloutBatch(

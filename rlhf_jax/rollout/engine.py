@@ -180,11 +180,12 @@ class Engine:
         self.prefill_buckets = tuple(buckets)
         self.default_sampling = self.resolve_sampling(sampling or SamplingParams())
         self.param_shardings = model.shardings(mesh, rules)
-        # Traces per jitted function, keyed like `_jits`: ("prefill", b, T, T0, sampler),
-        # ("insert", b, T, sampler), ("generate", steps, sampler), ("init", key shape).
+        # Traces per jitted function, keyed like `_jits`: ("prefill", b, T, T0, m, sampler),
+        # ("insert", b, T, m), ("generate", steps, sampler), ("init", key shape).
         self.trace_counts: collections.Counter[tuple] = collections.Counter()
         self._jits: dict[tuple, Any] = {}
         self._jit_kw = {"compiler_options": dict(compiler_options)} if compiler_options else {}
+        self._replicated = NamedSharding(mesh, P())
 
     # ------------------------------------------------------------------ JetStream properties
 
@@ -324,7 +325,8 @@ class Engine:
             return jax.jit(init, out_shardings=self.decode_state_shardings(),
                            **self._jit_kw)
 
-        return self._jit(("init", rng_data.shape), build)(rng_data)
+        return self._jit(("init", rng_data.shape), build)(
+            jax.device_put(rng_data, self._replicated))
 
     def free_resource(self, slot: int) -> None:
         """Nothing to free: the dense cache row is overwritten by the next `insert`."""
@@ -379,6 +381,10 @@ class Engine:
         key = ("prefill", b, bucket, t0, num_samples, sampler)
         fn = self._jit(key, lambda: self._build_prefill(key, b, bucket, t0, num_samples,
                                                         sampler))
+        row = self._sharding(("cache_batch",), (b,))
+        tokens, lengths, rids, rng_data = jax.device_put(  # explicit: no implicit transfers
+            (tokens, lengths, rids, rng_data),
+            (self._sharding(("cache_batch", None), tokens.shape), row, row, self._replicated))
         return fn(params, existing_prefix, tokens, lengths, rids, rng_data)
 
     def _build_prefill(self, key, b: int, t: int, t0: int, m: int, sampler: SamplingParams):
@@ -458,7 +464,8 @@ class Engine:
         slots_ = pad(slots, self._slots)  # out of range: dropped by the scatter
         key = ("insert", b, t, m)
         fn = self._jit(key, lambda: self._build_insert(key, b, t, m))
-        return fn(decode_state, prefix, rows_, samples_, slots_)
+        return fn(decode_state, prefix, *jax.device_put((rows_, samples_, slots_),
+                                                         self._replicated))
 
     def _build_insert(self, key, b: int, t: int, m: int):
         r = self.max_decode_length
@@ -529,33 +536,32 @@ class Engine:
 
     def generate_steps(self, params, decode_state: DecodeState, num_steps: int,
                        sampler: SamplingParams | None = None, *,
-                       stop_after_finished: int | None = None):
+                       stop_when_done: int | None = None):
         """Up to `num_steps` generate steps in one jitted `while_loop`.
 
-        The loop stops early once every slot is done, or once `stop_after_finished` more
-        slots have finished than at the start (a dynamic argument: no recompile), so that a
-        caller with queued requests can refill them at once. ResultTokens are [S, num_steps];
-        steps not run are not valid.
+        The loop stops early once every slot is done, or once at least `stop_when_done`
+        slots are done (finished or empty; a dynamic argument: no recompile), so that a
+        caller with queued requests can refill a finished slot at once. ResultTokens are
+        [S, num_steps]; steps not run are not valid.
         """
         sampler = self.resolve_sampling(sampler)
-        fn = self._jit(("generate", num_steps, sampler),
-                       lambda: self._build_generate(num_steps, sampler))
-        stop = self._slots + 1 if stop_after_finished is None else max(1, stop_after_finished)
-        return fn(params, decode_state, np.int32(stop))
+        key = ("generate", num_steps, sampler)
+        fn = self._jit(key, lambda: self._build_generate(key, num_steps, sampler))
+        stop = self._slots if stop_when_done is None else stop_when_done
+        return fn(params, decode_state, jax.device_put(np.int32(stop), self._replicated))
 
-    def _build_generate(self, k: int, sampler: SamplingParams):
+    def _build_generate(self, key, k: int, sampler: SamplingParams):
         s = self._slots
 
-        def generate(params, state: DecodeState, stop_after):
-            self._traced(("generate", k, sampler))
+        def generate(params, state: DecodeState, stop_when_done):
+            self._traced(key)
             zi, zf = jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
             bufs = (zi, jnp.zeros((s, k), bool), zf, zf)
-            done_at_start = jnp.sum(state.done)
 
             def cond(carry):
                 i, st, _ = carry
-                newly = jnp.sum(st.done) - done_at_start
-                return (i < k) & ~jnp.all(st.done) & (newly < stop_after)
+                n_done = jnp.sum(st.done)
+                return (i < k) & (n_done < s) & (n_done < stop_when_done)
 
             def body(carry):
                 i, st, bufs = carry

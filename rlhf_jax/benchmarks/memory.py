@@ -1,0 +1,135 @@
+"""Memory benchmark: per-device bytes of the training state on the (2,2,2) `cpu-8` mesh.
+
+The train layout shards parameters over fsdp x tensor (and replicates them over data), so
+the ideal per-device share is total / (fsdp x tensor) = total / 4. For the WORKLOAD model:
+
+- `memory.params_ratio_to_ideal`: largest per-device bytes of the actor's parameters / ideal.
+- `memory.opt_state_ratio_to_ideal`: the same for its AdamW state (mu, nu, count).
+- `memory.ratio_to_ideal`: actor params + opt state, critic params + opt state and the ref
+  params together (the largest device over the ideal of the total).
+- `memory.generate_params_ratio_to_ideal`: the generate layout (replicated over fsdp by
+  design), over total / tensor.
+- `memory.opt_state_ratio_to_ideal_sharded_init` / `memory.ratio_to_ideal_sharded_init`: the
+  same with the optimizer state created by `sharded_opt_init` (a prototype of the fix
+  proposed for `train_steps.init_state`, whose `jax.jit(tx.init)` returns replicated moments).
+
+With fewer than 8 devices in this process it runs itself in a subprocess with 8 simulated
+CPU devices (`python -m rlhf_jax.benchmarks.memory --in-process` prints the JSON).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rlhf_jax import train_steps as ts
+from rlhf_jax.benchmarks.common import workload_model_config
+from rlhf_jax.mesh import load_mesh_spec, make_mesh
+from rlhf_jax.models import Model
+
+
+def per_device_bytes(tree) -> dict:
+    """Bytes each device holds of the arrays of `tree` (every addressable shard counted)."""
+    out: collections.Counter = collections.Counter()
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            out[shard.device.id] += shard.data.nbytes
+    return out
+
+
+def total_bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def sharded_opt_init(tx: optax.GradientTransformation, params):
+    """`tx.init(params)` with every moment on its parameter's sharding, counts replicated."""
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    mesh = jax.tree.leaves(param_sh)[0].mesh
+    shardings = optax.tree_map_params(
+        tx, lambda _, sh: sh, jax.eval_shape(tx.init, params), param_sh,
+        transform_non_params=lambda _: NamedSharding(mesh, P()))
+    return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
+def measure(model_cfg=None) -> dict:
+    """The figures on this process's devices (8 needed for the cpu-8 mesh)."""
+    spec = load_mesh_spec("cpu-8")
+    mesh = make_mesh(spec)
+    cfg = model_cfg or workload_model_config()
+    shard = mesh.shape["fsdp"] * mesh.shape["tensor"]
+    rules = spec.train_rules
+    actor_model, critic_model = Model(cfg), Model(cfg, "value")
+    tx = ts.make_optimizer(ts.OptimConfig(lr=1e-6, weight_decay=0.0))
+    params = actor_model.init(jax.random.key(0), mesh, rules)
+    actor = ts.init_state(params, tx)
+    critic = ts.init_state(critic_model.init(jax.random.key(1), mesh, rules), tx)
+    ref = jax.tree.map(lambda x: x.copy(), params)
+    gen = jax.jit(lambda p: p, out_shardings=actor_model.shardings(mesh, spec.generate_rules))(
+        params)
+
+    def ratio(tree, ways):
+        return max(per_device_bytes(tree).values()) / (total_bytes(tree) / ways)
+
+    everything = (actor, critic, ref)
+    fixed = (actor._replace(opt_state=sharded_opt_init(tx, actor.params)),
+             critic._replace(opt_state=sharded_opt_init(tx, critic.params)), ref)
+    return {
+        "memory.params_ratio_to_ideal": ratio(actor.params, shard),
+        "memory.opt_state_ratio_to_ideal": ratio(actor.opt_state, shard),
+        "memory.ratio_to_ideal": ratio(everything, shard),
+        "memory.per_device_bytes": max(per_device_bytes(everything).values()),
+        "memory.total_bytes": total_bytes(everything),
+        "memory.opt_state_ratio_to_ideal_sharded_init": ratio(fixed[0].opt_state, shard),
+        "memory.ratio_to_ideal_sharded_init": ratio(fixed, shard),
+        "memory.generate_params_ratio_to_ideal": ratio(gen, mesh.shape["tensor"]),
+        "memory.mesh": "x".join(str(mesh.shape[a]) for a in mesh.axis_names),
+    }
+
+
+SMALL_MODEL = dict(model_type="qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                   max_position_embeddings=32, rms_norm_eps=1e-6, rope_theta=10000.0,
+                   tie_word_embeddings=False)
+
+
+def _model_cfg(small: bool):
+    from rlhf_jax.models import ModelConfig
+
+    return ModelConfig.from_hf(SMALL_MODEL) if small else None
+
+
+def _in_subprocess(small: bool, devices: int = 8) -> dict:
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    cmd = [sys.executable, "-m", "rlhf_jax.benchmarks.memory", "--in-process"]
+    out = subprocess.run(cmd + (["--small"] if small else []), env=env, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(*, small: bool = False) -> dict:
+    """The memory figures; in a subprocess with 8 CPU devices when this process has fewer.
+
+    `small`: a tiny model instead of the WORKLOAD one (the smoke test).
+    """
+    if jax.device_count() >= 8:
+        return measure(_model_cfg(small))
+    return _in_subprocess(small)
+
+
+if __name__ == "__main__":
+    if "--in-process" in sys.argv:
+        print(json.dumps(measure(_model_cfg("--small" in sys.argv))))
+    else:
+        print(json.dumps(run(), indent=1, sort_keys=True))

@@ -1,0 +1,154 @@
+"""MFU benchmark: the actor's PPO update on a model big enough for matmuls to dominate.
+
+- `mfu.ratio`: model FLOP/s of one `actor_update` (`metrics.train_flops`, DESIGN.md's
+  formula) over the f32 matmul peak measured in the same run (`mfu.peak_matmul_flops`, a
+  jitted 1024 x 1024 matmul, best of several, taken before and after the steps).
+- `mfu.step_seconds`: median seconds of one update (K micro-batches, one optimizer step).
+
+The bench model: Qwen2 layout, hidden 1024, 8 layers, MLP 2816, 16 heads (8 KV heads),
+vocab 8192, float32; sequences of 128 prompt + 128 response tokens; batch 4 in 2
+micro-batches of 2 (gradient accumulation 2), one device (`single` mesh).
+
+Also home of the helpers the other benchmarks share: `matmul_peak_flops` and
+`CompileCounter` (XLA compilations, from `jax.monitoring`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlhf_jax import batching
+from rlhf_jax import train_steps as ts
+from rlhf_jax.benchmarks.common import timed
+from rlhf_jax.mesh import load_mesh_spec, make_mesh
+from rlhf_jax.metrics import train_flops
+from rlhf_jax.models import Model, ModelConfig
+
+BENCH_MODEL = dict(
+    model_type="qwen2", vocab_size=8192, hidden_size=1024, num_hidden_layers=8,
+    num_attention_heads=16, num_key_value_heads=8, intermediate_size=2816,
+    rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+SMALL_MODEL = dict(BENCH_MODEL, vocab_size=256, hidden_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, intermediate_size=128)
+
+
+def matmul_peak_flops(n: int = 1024, repeats: int = 10, dtype=jnp.float32) -> float:
+    """FLOP/s of a jitted n x n matmul on the first device, best of `repeats`."""
+    dev = jax.devices()[0]
+    a = jax.device_put(jnp.ones((n, n), dtype), dev)
+    b = jax.device_put(jnp.full((n, n), 0.5, dtype), dev)
+    f = jax.jit(jnp.matmul)
+    f(a, b).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while `counting(True)` is active."""
+
+    _listening: list[CompileCounter] = []
+    _registered = False
+
+    def __init__(self):
+        self.count = 0
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            for c in cls._listening:
+                c.count += 1
+
+    @contextlib.contextmanager
+    def counting(self, active: bool = True):
+        if not CompileCounter._registered:
+            jax.monitoring.register_event_duration_secs_listener(CompileCounter._on_event)
+            CompileCounter._registered = True
+        if active:
+            CompileCounter._listening.append(self)
+        try:
+            yield self
+        finally:
+            if active:
+                CompileCounter._listening.remove(self)
+
+
+def actor_batch(mesh, batch_axes, *, batch: int, micro: int, prompt_len: int,
+                response_len: int, vocab: int, seed: int = 0) -> ts.ActorBatch:
+    """A random `[1, K, m, ...]` actor batch (one update of K = batch / micro micro-batches)."""
+    rng = np.random.default_rng(seed)
+    k = batch // micro
+    t = prompt_len + response_len
+    ids = rng.integers(3, vocab, size=(1, k, micro, t)).astype(np.int32)
+    resp = ids[..., prompt_len:]
+    ones = lambda *s: np.ones(s, np.int32)
+    seqs = ts.Sequences(ids, ones(1, k, micro, t), resp, ones(1, k, micro, response_len))
+    f = lambda: (rng.standard_normal((1, k, micro, response_len)) * 0.1).astype(np.float32)
+    old, adv = f() - 2.0, f() * 10
+    dev = batching.put((seqs, old, adv, np.zeros_like(old)), mesh, batch_axes, lead=2)
+    counts = (jnp.asarray([batch * response_len], jnp.float32),
+              jnp.asarray([batch], jnp.float32))
+    return ts.ActorBatch(*dev, *counts)
+
+
+def run(*, small: bool = False, batch: int = 4, micro: int = 2, prompt_len: int = 128,
+        response_len: int = 128, warmup: int = 1, repeats: int = 3) -> dict:
+    """The actor update's MFU (small=True: a tiny model, for the smoke test)."""
+    if small:
+        batch, micro, prompt_len, response_len, warmup, repeats = 2, 1, 8, 8, 1, 1
+    peak = matmul_peak_flops(repeats=3 if small else 10)
+    cfg = ModelConfig.from_hf(SMALL_MODEL if small else BENCH_MODEL)
+    spec = load_mesh_spec("single")
+    mesh = make_mesh(spec)
+    model = Model(cfg).with_layout(mesh, spec.train_rules)
+    optim = ts.OptimConfig(lr=1e-6, weight_decay=0.0, grad_clip=1.0)
+    state = ts.init_state(model.init(jax.random.key(0), mesh, spec.train_rules),
+                          ts.make_optimizer(optim))
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    step = jax.jit(functools.partial(ts.actor_update, model=model, loss=ts.ActorLoss(),
+                                     optim=optim),
+                   in_shardings=(state_sh, None), out_shardings=(state_sh, None),
+                   donate_argnums=0)
+    data = actor_batch(mesh, dict(spec.train_rules).get("batch", ()), batch=batch, micro=micro,
+                       prompt_len=prompt_len, response_len=response_len,
+                       vocab=cfg.vocab_size)
+    holder = [state]
+
+    def one():
+        holder[0], m = step(holder[0], data)
+        return m
+
+    t = timed(one, warmup=warmup, repeats=repeats)
+    peak = max(peak, matmul_peak_flops(repeats=3 if small else 10))
+    seq_lens = np.full(batch, prompt_len + response_len)
+    flops = train_flops(cfg, seq_lens)
+    no_embed = flops - 6.0 * cfg.vocab_size * cfg.hidden_size * float(seq_lens.sum())
+    return {
+        "mfu.ratio": flops / (t.median * peak),
+        "mfu.ratio_without_embedding_flops": no_embed / (t.median * peak),
+        "mfu.step_seconds": t.median,
+        "mfu.model_flops_per_step": flops,
+        "mfu.model_flops_per_s": flops / t.median,
+        "mfu.peak_matmul_flops": peak,
+        "mfu.params": cfg.num_matmul_params,
+        "mfu.tokens_per_step": float(seq_lens.sum()),
+        "mfu.micro_batches": batch // micro,
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=1, sort_keys=True))

@@ -1,0 +1,270 @@
+"""PPO benchmark: one iteration of `/work/shared/bench/WORKLOAD.md`, stage by stage.
+
+The iteration is the trainer's (`Trainer.step`), built from the same pieces on a `single`
+(1,1,1) mesh: engine rollout (EOS disabled: eos id 1024, one past the vocabulary) -> reward
+(fraction of even response ids, on the last token) -> old log-probs -> ref log-probs (frozen
+initial policy) -> values -> adv (k1 KL 0.001 in the reward, GAE gamma 1 lam 0.95) ->
+critic update -> actor update (one mini-batch of 32, micro-batch 8, AdamW, no clipping, no
+weight decay) -> update_weights (train -> generate layout). 2 warm-up + 5 measured
+iterations, a fresh batch of prompts each; every figure is a median over the measured ones.
+
+- `ppo.seconds_per_iteration`, `ppo.tokens_per_s` (= 32 * 128 / median seconds).
+- `ppo.stage.<name>`: median seconds of each stage (they block, as the trainer's do).
+- `ppo.flop_bound_ratio`: model FLOPs of the iteration / (measured matmul peak x seconds).
+  FLOPs follow WORKLOAD.md: N = matmul parameters without the embedding lookup (3.16M);
+  rollout 2N per token, old/ref/values 3 x 2N, updates 2 x 6N, plus attention counted over
+  the full 128 x 128 score matrix of every pass (4 L heads head_dim T^2 per forward, x3 per
+  update), which gives WORKLOAD.md's ~9 %.
+- `ppo.trl_tokens_per_s_reference`: TRL's figure from WORKLOAD.md, a reference measured
+  there (idle machine, 2026-12-02), not in this run.
+- `ppo.compiles_measured`: XLA compilations during the measured iterations (0 if every step
+  compiles once).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlhf_jax import batching, ppo
+from rlhf_jax import train_steps as ts
+from rlhf_jax.benchmarks.common import (
+    WORKLOAD_PAD_ID,
+    peak_rss_mb,
+    workload_model_config,
+    workload_prompts,
+)
+from rlhf_jax.benchmarks.mfu import CompileCounter, matmul_peak_flops
+from rlhf_jax.mesh import load_mesh_spec, make_mesh
+from rlhf_jax.models import Model
+from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, reshard
+
+TRL_TOKENS_PER_S = 1368.0  # WORKLOAD.md, TRL 1.12 PPO on the idle 2-core machine
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic",
+          "update_actor", "update_weights")
+
+
+def workload_flops(model_cfg, batch: int, seq_len: int) -> float:
+    """Model FLOPs of one PPO iteration by WORKLOAD.md's accounting (see the module doc)."""
+    c = model_cfg
+    n = c.num_matmul_params - c.vocab_size * c.hidden_size  # the embedding is a gather
+    attn = 4.0 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len**2
+    forward = batch * (2.0 * n * seq_len + attn)
+    return forward * (1 + 3) + 3 * forward * 2  # rollout, old/ref/values, actor+critic
+
+
+class Stopwatch:
+    """Seconds per named stage of one iteration."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    def __call__(self, name: str, fn, *args):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+        return out
+
+
+class PPOIteration:
+    """The actor, critic, reference and rollout engine of the workload, and one `step`.
+
+    Args:
+      batch, prompt_len, new_tokens: prompts per iteration, their length, response length.
+      micro_batch: micro-batch rows (gradient accumulation = batch / micro_batch); also the
+        chunk of the log-prob / value passes, as in the trainer.
+      model_cfg: the architecture (default: WORKLOAD.md's).
+      steps_per_call, max_prefill_batch: forwarded to `generate_sequences` (None: its
+        defaults, which the trainer uses).
+      compiler_options: XLA options of every jitted step (the smoke test compiles faster).
+    """
+
+    def __init__(self, *, batch: int = 32, prompt_len: int = 64, new_tokens: int = 64,
+                 micro_batch: int = 8, model_cfg=None, steps_per_call: int | None = None,
+                 max_prefill_batch: int | None = None, seed: int = 0,
+                 compiler_options: dict | None = None):
+        self.spec = load_mesh_spec("single")
+        self.mesh = make_mesh(self.spec)
+        rules = self.spec.train_rules
+        cfg = model_cfg or workload_model_config()
+        self.batch, self.micro = batch, micro_batch
+        self.jit_kw = {"compiler_options": compiler_options} if compiler_options else {}
+        self.gen_kw = {k: v for k, v in (("steps_per_call", steps_per_call),
+                                          ("max_prefill_batch", max_prefill_batch))
+                       if v is not None}
+        rng = jax.random.key(seed)
+        self.actor_model = Model(cfg).with_layout(self.mesh, rules)
+        self.critic_model = Model(cfg, "value").with_layout(self.mesh, rules)
+        no_clip = dict(weight_decay=0.0, grad_clip=0.0)
+        self.actor_optim = ts.OptimConfig(lr=1e-6, **no_clip)
+        self.critic_optim = ts.OptimConfig(lr=1e-5, **no_clip)
+        params = self.actor_model.init(rng, self.mesh, rules)
+        self.actor = ts.init_state(params, ts.make_optimizer(self.actor_optim))
+        self.ref_params = jax.tree.map(lambda x: x.copy(), params)
+        critic_params = self.critic_model.init(jax.random.fold_in(rng, 1), self.mesh, rules)
+        self.critic = ts.init_state(critic_params, ts.make_optimizer(self.critic_optim))
+        gen_rules = self.spec.generate_rules
+        self.gen_shardings = self.actor_model.shardings(self.mesh, gen_rules)
+        self.gen_params = reshard(self.actor.params, self.gen_shardings)
+        self.sampling = SamplingParams(temperature=1.0, max_response_length=new_tokens,
+                                       eos_ids=(WORKLOAD_PAD_ID,), pad_id=WORKLOAD_PAD_ID)
+        self.engine = Engine(self.actor_model.with_layout(self.mesh, gen_rules), self.mesh,
+                             gen_rules, max_concurrent_decodes=batch,
+                             max_prefill_length=prompt_len, max_decode_length=new_tokens,
+                             prefill_buckets=(prompt_len,), sampling=self.sampling,
+                             compiler_options=compiler_options)
+        self._compile_steps()
+        self.batch_axes = dict(rules).get("batch", ())
+        self.seed, self.step_count = seed, 0
+
+    def _compile_steps(self):
+        """The trainer's jitted steps (`Trainer._compile_steps`) for this workload."""
+        actor_sh = jax.tree.map(lambda x: x.sharding, self.actor)
+        critic_sh = jax.tree.map(lambda x: x.sharding, self.critic)
+        self.actor_update = jax.jit(
+            functools.partial(ts.actor_update, model=self.actor_model,
+                              loss=ts.ActorLoss(clip_ratio=0.2), optim=self.actor_optim),
+            in_shardings=(actor_sh, None), out_shardings=(actor_sh, None), donate_argnums=0,
+            **self.jit_kw)
+        self.critic_update = jax.jit(
+            functools.partial(ts.critic_update, model=self.critic_model,
+                              loss=ts.CriticLoss(0.2, "token-mean"), optim=self.critic_optim),
+            in_shardings=(critic_sh, None), out_shardings=(critic_sh, None), donate_argnums=0,
+            **self.jit_kw)
+        self.log_probs = jax.jit(
+            functools.partial(ts.log_probs_step, model=self.actor_model, temperature=1.0),
+            in_shardings=(actor_sh.params, None), **self.jit_kw)
+        self.values = jax.jit(functools.partial(ts.values_step, model=self.critic_model),
+                              in_shardings=(critic_sh.params, None), **self.jit_kw)
+
+    def _arranged(self, order, seqs_host: ts.Sequences, extra: dict):
+        """`[U, K, m, ...]` device batch plus token / sequence counts (`Trainer._arranged`)."""
+        host = jax.tree.map(lambda x: x[order], (seqs_host, extra))
+        mask = host[0].response_mask
+        token_count = jnp.asarray(mask.sum(axis=(1, 2, 3)).astype(np.float32))
+        seq_count = jnp.asarray((mask.sum(-1) > 0).sum(axis=(1, 2)).astype(np.float32))
+        dev = batching.put(host, self.mesh, self.batch_axes, lead=2)
+        return dev, token_count, seq_count
+
+    def step(self, prompts_bp: np.ndarray) -> dict[str, float]:
+        """One PPO iteration on `[B, P]` prompts; returns seconds per stage and `step`."""
+        watch, t0 = Stopwatch(), time.perf_counter()
+        seed = jax.random.fold_in(jax.random.key(self.seed + 1), self.step_count)
+        prompt_mask = np.ones_like(prompts_bp)
+        ro = watch("gen", lambda: generate_sequences(
+            self.engine, self.gen_params, prompts_bp, prompt_mask, n=1, sampling=self.sampling,
+            rng=seed, **self.gen_kw))
+        scores = watch("reward", lambda: np.mean(ro.responses % 2 == 0, axis=-1).astype(
+            np.float32))
+        seqs_host = ts.Sequences(
+            np.concatenate([prompts_bp, ro.responses], 1).astype(np.int32),
+            np.concatenate([prompt_mask, ro.response_mask], 1).astype(np.int32),
+            ro.responses.astype(np.int32), ro.response_mask.astype(np.int32))
+        seqs = batching.put(jax.tree.map(lambda x: batching.chunked(x, self.micro), seqs_host),
+                            self.mesh, self.batch_axes, lead=1)
+        old = watch("old_log_prob", lambda: batching.unchunk(
+            self.log_probs(self.actor.params, seqs)))
+        ref = watch("ref", lambda: batching.unchunk(self.log_probs(self.ref_params, seqs)))
+        values = watch("values", lambda: batching.unchunk(
+            self.values(self.critic.params, seqs)))
+
+        def adv_stage():
+            mask = jnp.asarray(ro.response_mask, jnp.float32)
+            token_scores = ppo.token_level_scores(jnp.asarray(scores), mask)
+            rewards, _ = ppo.kl_in_reward(token_scores, old, ref, mask, 0.001, kind="kl")
+            adv, returns = ppo.advantages(rewards, values, mask,
+                                          jnp.arange(self.batch, dtype=jnp.int32),
+                                          estimator="gae", gamma=1.0, lam=0.95)
+            return batching.fetch((adv, returns))
+
+        adv, returns = watch("adv", adv_stage)
+        host = batching.fetch({"old": old, "ref": ref, "values": values})
+        plan = batching.Plan(self.batch, self.batch, self.micro, 1, True)
+
+        def critic_stage():
+            order = plan.order(self.seed * 7919 + self.step_count)
+            (s, ex), tok, sq = self._arranged(order, seqs_host, {"values": host["values"],
+                                                                 "returns": returns})
+            self.critic, m = self.critic_update(
+                self.critic, ts.CriticBatch(s, ex["values"], ex["returns"], tok, sq))
+            return jax.device_get(m)
+
+        def actor_stage():
+            order = plan.order(self.seed * 7919 + self.step_count + 1)
+            extra = {"old": host["old"], "adv": adv, "ref": host["ref"]}
+            (s, ex), tok, sq = self._arranged(order, seqs_host, extra)
+            self.actor, m = self.actor_update(
+                self.actor, ts.ActorBatch(s, ex["old"], ex["adv"], ex["ref"], tok, sq))
+            return jax.device_get(m)
+
+        watch("update_critic", critic_stage)
+        watch("update_actor", actor_stage)
+        self.gen_params = watch("update_weights",
+                                lambda: reshard(self.actor.params, self.gen_shardings))
+        self.step_count += 1
+        return {**watch.times, "step": time.perf_counter() - t0}
+
+
+def run(*, small: bool = False, warmup: int = 2, repeats: int = 5, **overrides) -> dict:
+    """The WORKLOAD.md iteration, or with `small=True` a shrunken one for the smoke test.
+
+    `overrides` go to `PPOIteration` (e.g. `steps_per_call=64` to try a rollout setting).
+    """
+    kw = dict(batch=32, prompt_len=64, new_tokens=64, micro_batch=8)
+    if small:
+        from rlhf_jax.models import ModelConfig
+
+        kw = dict(batch=4, prompt_len=8, new_tokens=8, micro_batch=2,
+                  model_cfg=ModelConfig.from_hf(dict(
+                      model_type="qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                      max_position_embeddings=32, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      tie_word_embeddings=False)), compiler_options=FAST_COMPILE)
+        warmup, repeats = 1, 1
+    kw.update(overrides)
+    peak = matmul_peak_flops(repeats=3 if small else 10)
+    it = PPOIteration(**kw)
+    prompts = workload_prompts(warmup + repeats, kw["batch"], kw["prompt_len"])
+    if small:
+        prompts = prompts % it.actor_model.cfg.vocab_size
+    counter = CompileCounter()
+    records = []
+    for i in range(warmup + repeats):
+        with counter.counting(i >= warmup):
+            rec = it.step(prompts[i])
+        if i >= warmup:
+            records.append(rec)
+    peak = max(peak, matmul_peak_flops(repeats=3 if small else 10))
+    med = lambda k: statistics.median(r[k] for r in records)
+    seconds = med("step")
+    tokens = kw["batch"] * (kw["prompt_len"] + kw["new_tokens"])
+    flops = workload_flops(it.actor_model.cfg, kw["batch"], kw["prompt_len"] + kw["new_tokens"])
+    out = {
+        "ppo.seconds_per_iteration": seconds,
+        "ppo.seconds_min": min(r["step"] for r in records),
+        "ppo.tokens_per_s": tokens / seconds,
+        "ppo.flops_per_iteration": flops,
+        "ppo.peak_matmul_flops": peak,
+        "ppo.bound_seconds": flops / peak,
+        "ppo.flop_bound_ratio": flops / (peak * seconds),
+        "ppo.trl_tokens_per_s_reference": TRL_TOKENS_PER_S,
+        "ppo.ratio_to_trl_reference": tokens / seconds / TRL_TOKENS_PER_S,
+        "ppo.compiles_measured": counter.count,
+        "ppo.devices": jax.device_count(),
+        "ppo.peak_rss_mb": peak_rss_mb(),
+    }
+    out.update({f"ppo.stage.{s}": med(s) for s in STAGES})
+    out["ppo.stage.other"] = seconds - sum(out[f"ppo.stage.{s}"] for s in STAGES)
+    return out
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=1, sort_keys=True))

@@ -1,0 +1,249 @@
+"""The RL rollout driver: parity with the full forward, mesh and slot independence,
+continuous batching, compile counts, and prompt-length errors."""
+
+import jax
+import numpy as np
+import pytest
+
+from rlhf_jax.errors import DataError
+from rlhf_jax.mesh import load_mesh_spec, make_mesh
+from rlhf_jax.models import Model, ModelConfig
+from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, prompt_rows, reshard
+
+CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+R = 10  # max response length
+GREEDY = SamplingParams(do_sample=False, max_response_length=R)
+SAMPLED = SamplingParams(temperature=0.8, top_k=12, top_p=0.9, max_response_length=R,
+                         eos_ids=(3, 7, 11), pad_id=47)
+LENGTHS = [3, 9, 14, 6, 11, 1]  # real prompt tokens, left-padded to P
+P = 14
+FAST_COMPILE = {"xla_backend_optimization_level": 0}  # tiny programs: compile time dominates
+
+
+def _mesh(name):
+    spec = load_mesh_spec(name)
+    return make_mesh(spec), spec
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model(CFG)
+
+
+def random_params(model, mesh, rules, seed=0, scale=0.1):
+    """Random parameters (matrices N(0, scale^2), vectors around 1) without compiling init."""
+    rng = np.random.default_rng(seed)
+
+    def one(s):
+        x = rng.normal(size=s.shape) * scale
+        return (x + (1.0 if s.ndim == 1 else 0.0)).astype(s.dtype)
+
+    host = jax.tree.map(one, model.abstract_params())
+    return jax.device_put(host, model.shardings(mesh, rules))
+
+
+@pytest.fixture(scope="module")
+def params(model):
+    """Train-layout parameters on the (2,2,2) mesh, large enough that logits are peaked."""
+    mesh, spec = _mesh("cpu-8")
+    return random_params(model, mesh, spec.train_rules)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    ids = np.zeros((len(LENGTHS), P), np.int32)
+    mask = np.zeros_like(ids)
+    for i, n in enumerate(LENGTHS):
+        ids[i, P - n:] = rng.integers(0, CFG.vocab_size, n)
+        mask[i, P - n:] = 1
+    return ids, mask
+
+
+_ENGINES = {}
+
+
+def engine(model, mesh_name: str, slots: int) -> Engine:
+    key = (mesh_name, slots)
+    if key not in _ENGINES:
+        mesh, spec = _mesh(mesh_name)
+        _ENGINES[key] = Engine(model, mesh, spec.generate_rules, max_concurrent_decodes=slots,
+                               max_prefill_length=16, max_decode_length=R,
+                               prefill_buckets=(8, 16), compiler_options=FAST_COMPILE)
+    return _ENGINES[key]
+
+
+_RUNS = {}
+
+
+def on_mesh(model, params, mesh_name):
+    e = engine(model, mesh_name, 4)
+    return params if mesh_name == "cpu-8" else jax.device_put(
+        params, model.shardings(e.mesh, e.rules))
+
+
+def rollout(model, params, prompts, mesh_name, slots, sampling, n):
+    """Cached rollouts: most tests run on one device (fast compiles); the (2,2,2) mesh is
+    compared with it, and the engine tests check its layouts."""
+    key = (mesh_name, slots, sampling, n)
+    if key not in _RUNS:
+        e = engine(model, mesh_name, slots)
+        _RUNS[key] = generate_sequences(e, on_mesh(model, params, mesh_name), *prompts, n=n,
+                                        sampling=sampling, rng=jax.random.key(42))
+    return _RUNS[key]
+
+
+def _reference_greedy(model, params, ids, mask, steps):
+    """Step-by-step argmax of the full forward without a cache, on a fixed-width buffer."""
+    fwd = jax.jit(model.forward)
+    width = ids.shape[1] + steps
+    toks, lps = [], []
+    for i in range(ids.shape[0]):
+        seq = list(ids[i][mask[i].astype(bool)])
+        row_t, row_l = [], []
+        for _ in range(steps):
+            buf = np.zeros((1, width), np.int32)
+            m = np.zeros((1, width), np.int32)
+            buf[0, width - len(seq):] = seq
+            m[0, width - len(seq):] = 1
+            logits = np.asarray(fwd(params, buf, m))[0, -1]
+            tok = int(np.argmax(logits))
+            row_t.append(tok)
+            row_l.append(float(jax.nn.log_softmax(logits)[tok]))
+            seq.append(tok)
+        toks.append(row_t)
+        lps.append(row_l)
+    return np.array(toks), np.array(lps)
+
+
+def test_greedy_matches_full_forward_argmax(model, params, prompts):
+    out = rollout(model, params, prompts, "single", 4, GREEDY, 1)
+    want_tok, want_lp = _reference_greedy(model, params, *prompts, R)
+    np.testing.assert_array_equal(out.responses, want_tok)
+    np.testing.assert_allclose(out.rollout_log_probs, want_lp, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out.rollout_raw_log_probs, want_lp, atol=1e-5, rtol=0)
+    assert out.response_mask.all() and (out.response_lengths == R).all()
+
+
+def test_truncation_left_equals_cut_prompts(model, params, prompts):
+    ids, mask = prompts
+    long_ids = np.concatenate([np.full((len(ids), 4), 5, np.int32), ids], axis=1)
+    long_mask = np.concatenate([np.ones((len(ids), 4), np.int32), mask], axis=1)
+    e = engine(model, "single", 4)
+    params = on_mesh(model, params, "single")
+    with pytest.raises(DataError, match=r"^prompt 2 has 18 tokens, more than "
+                                        r"max_prefill_length 16 \(set truncation"):
+        generate_sequences(e, params, long_ids, long_mask, sampling=GREEDY)
+    rows = prompt_rows(long_ids, long_mask, 16, "left")
+    assert [len(r) for r in rows] == [7, 13, 16, 10, 15, 5]
+    assert (rows[2] == long_ids[2, -16:]).all()
+    right = prompt_rows(long_ids, long_mask, 16, "right")
+    assert (right[2] == long_ids[2, :16]).all()
+
+    out = generate_sequences(e, params, long_ids, long_mask, sampling=GREEDY, rng=42,
+                             truncation="left")
+    cut_ids = np.zeros((len(ids), 16), np.int32)
+    cut_mask = np.zeros_like(cut_ids)
+    for i, r in enumerate(rows):
+        cut_ids[i, 16 - len(r):] = r
+        cut_mask[i, 16 - len(r):] = 1
+    want = generate_sequences(e, params, cut_ids, cut_mask, sampling=GREEDY, rng=42)
+    np.testing.assert_array_equal(out.responses, want.responses)
+
+
+def test_empty_prompt_is_data_error(model, params, prompts):
+    ids, mask = prompts
+    mask = mask.copy()
+    mask[4] = 0
+    with pytest.raises(DataError, match="^prompt 4 is empty"):
+        generate_sequences(engine(model, "single", 4), params, ids, mask, sampling=GREEDY)
+
+
+def test_sampled_rollout_layout_eos_and_padding(model, params, prompts):
+    n = 3
+    out = rollout(model, params, prompts, "single", 4, SAMPLED, n)
+    b = len(LENGTHS)
+    assert out.responses.shape == (b * n, R)
+    np.testing.assert_array_equal(out.prompt_index, np.repeat(np.arange(b), n))
+    lengths = out.response_lengths
+    assert len(set(lengths.tolist())) > 2, lengths  # EOS makes lengths differ
+    for row, k in zip(out.responses, lengths, strict=True):
+        eos = np.isin(row[:k], SAMPLED.eos_ids)
+        assert not eos[:k - 1].any()  # nothing is generated after an EOS
+        assert k == R or eos[k - 1]  # a short response ends with its EOS, inside the mask
+        assert (row[k:] == SAMPLED.pad_id).all()
+    mask = np.arange(R)[None] < lengths[:, None]
+    np.testing.assert_array_equal(out.response_mask, mask.astype(np.int32))
+    assert (out.rollout_log_probs[~mask] == 0).all()
+    assert (out.rollout_log_probs[mask] < 0).all()
+    # The sampling distribution is filtered: its log-probs are above the untempered ones'
+    # wherever the token is likely; both are finite.
+    assert np.isfinite(out.rollout_raw_log_probs[mask]).all()
+    # Samples of one prompt differ (distinct request ids), so the n draws are not copies.
+    assert any(len({tuple(r) for r in out.responses[i * n:(i + 1) * n]}) > 1 for i in range(b))
+
+
+def test_same_tokens_on_2x2x2_and_1x1x1_mesh(model, params, prompts):
+    a = rollout(model, params, prompts, "cpu-8", 4, SAMPLED, 3)
+    b = rollout(model, params, prompts, "single", 4, SAMPLED, 3)
+    np.testing.assert_array_equal(a.responses, b.responses)
+    np.testing.assert_array_equal(a.response_lengths, b.response_lengths)
+    np.testing.assert_allclose(a.rollout_log_probs, b.rollout_log_probs, atol=1e-5, rtol=0)
+
+
+def test_independent_of_max_concurrent_decodes(model, params, prompts):
+    a = rollout(model, params, prompts, "single", 4, SAMPLED, 3)
+    b = rollout(model, params, prompts, "single", 16, SAMPLED, 3)
+    np.testing.assert_array_equal(a.responses, b.responses)
+    np.testing.assert_array_equal(a.response_lengths, b.response_lengths)
+    np.testing.assert_allclose(a.rollout_log_probs, b.rollout_log_probs, atol=1e-5, rtol=0)
+
+
+def _list_schedule_steps(durations, slots):
+    """Steps to run jobs in order on `slots` machines, each free machine taking the next job
+    at once (continuous batching); and with waves of `slots` jobs (static batching)."""
+    free_at = [0] * slots
+    for d in durations:
+        i = free_at.index(min(free_at))
+        free_at[i] += d
+    waves = sum(max(durations[i:i + slots]) for i in range(0, len(durations), slots))
+    return max(free_at), waves
+
+
+def test_continuous_batching_refills_finished_slots(model, params, prompts):
+    out = rollout(model, params, prompts, "single", 4, SAMPLED, 3)
+    steps = out.stats["rollout/decode_steps"]
+    # A request of k tokens needs k - 1 generate steps (prefill draws the first one).
+    continuous, static = _list_schedule_steps(list(out.response_lengths - 1), 4)
+    assert steps == continuous < static, (steps, continuous, static)
+    assert steps < -(-len(out.responses) // 4) * R  # fewer than (requests / slots) * max_len
+    assert out.stats["rollout/tokens_generated"] == out.response_lengths.sum()
+    assert out.stats["rollout/prefill_prompts"] == len(LENGTHS)  # once for its n samples
+
+
+def test_every_function_compiles_once_and_prefill_once_per_bucket(model, params, prompts):
+    e = engine(model, "single", 4)
+    rollout(model, params, prompts, "single", 4, SAMPLED, 3)
+    rollout(model, params, prompts, "single", 4, GREEDY, 1)
+    before = dict(e.trace_counts)
+    ids, mask = prompts
+    generate_sequences(e, on_mesh(model, params, "single"), ids[::-1].copy(), mask[::-1].copy(),
+                       n=3, sampling=SAMPLED, rng=jax.random.key(7))
+    assert dict(e.trace_counts) == before  # a new rollout with the same shapes: no retrace
+    assert max(e.trace_counts.values()) == 1
+    gen = [k for k in e.trace_counts if k[0] == "generate"]
+    assert len(gen) == 2  # one per sampling rule, whole rollouts included
+    buckets = {k[2] for k in e.trace_counts if k[0] == "prefill"}
+    assert buckets <= set(e.prefill_buckets)
+
+
+def test_train_layout_params_are_moved_to_the_generate_layout(model, params, prompts):
+    e = engine(model, "cpu-8", 4)
+    gen = reshard(params, e.param_shardings)
+    assert reshard(gen, e.param_shardings)["lm_head"]["kernel"] is gen["lm_head"]["kernel"]
+    key = jax.random.key(42)
+    with jax.transfer_guard("disallow"):  # every host <-> device transfer is explicit
+        a = generate_sequences(e, gen, *prompts, n=3, sampling=SAMPLED, rng=key)
+    b = rollout(model, params, prompts, "cpu-8", 4, SAMPLED, 3)  # given train-layout params
+    np.testing.assert_array_equal(a.responses, b.responses)

@@ -1,0 +1,137 @@
+"""End to end: a few PPO / GRPO steps on the synthetic task, (2,2,2) against (1,1,1)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlhf_jax.config import load_config
+from rlhf_jax.trainer import train
+
+ROOT = Path(__file__).resolve().parents[1]
+# Metrics that measure the machine, not the algorithm.
+MACHINE = ("timing_s/", "perf/")
+
+
+def tiny(tmp: Path, config="ppo_tiny_cpu.yaml", **extra):
+    overrides = {
+        "data.train_files": str(tmp / "data/train.parquet"),
+        "data.val_files": str(tmp / "data/val.parquet"),
+        "actor_rollout_ref.model.path": str(tmp / "model"),
+        "trainer.default_local_dir": str(tmp / "run"),
+        "data.train_batch_size": 16,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_device": 1,
+        "actor_rollout_ref.rollout.max_concurrent_decodes": 16,
+        "trainer.total_training_steps": 2,
+        "trainer.test_freq": 2,
+        "trainer.val_before_train": False,
+        "trainer.logger": "[jsonl]",
+        "trainer.sft_warmup.max_steps": 4,
+        "trainer.sft_warmup.eval_every": 2,
+        "trainer.sft_warmup.target_score": 2.0,  # never reached: exactly 4 steps
+        "trainer.sft_warmup.batch_size": 16,
+        "synthetic.num_train": 64,
+        "synthetic.num_val": 16,
+    }
+    overrides.update(extra)
+    return load_config(ROOT / "configs" / config, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def _algorithmic(history):
+    return [{k: v for k, v in m.items() if not k.startswith(MACHINE)} for m in history]
+
+
+def _compare(a, b, atol):
+    assert len(a) == len(b)
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k] == pytest.approx(y[k], abs=atol, rel=1e-4), (step, k)
+
+
+def test_ppo_on_2x2x2_equals_1x1x1(tmp_path):
+    sharded = _algorithmic(train(tiny(tmp_path / "a", mesh="cpu-8")))
+    single = _algorithmic(train(tiny(tmp_path / "b", mesh="single")))
+    _compare(sharded, single, atol=1e-4)
+    last = sharded[-1]
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
+                "critic/vf_loss", "critic/vf_clipfrac", "critic/score/mean",
+                "critic/advantages/mean", "critic/returns/mean", "critic/values/mean",
+                "response_length/mean", "actor/reward_kl_penalty_coeff",
+                "training/rollout_probs_diff_max", "val-core/synthetic/addition/reward/mean@1"):
+        assert np.isfinite(last[key]), key
+    rows = [json.loads(line) for line in (tmp_path / "a/run/metrics.jsonl").read_text().split("\n")
+            if line]
+    assert [r["training/global_step"] for r in rows] == [1, 2]
+    for key in ("timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
+                "perf/mfu/actor", "perf/throughput"):
+        assert rows[-1][key] > 0, key
+
+
+def test_grpo_without_critic(tmp_path):
+    history = train(tiny(tmp_path, "grpo_tiny_cpu.yaml"))
+    last = history[-1]
+    assert "critic/vf_loss" not in last and "actor/kl_loss" in last
+    assert np.isfinite(last["actor/pg_loss"])
+
+
+def _run(args, cwd):
+    return subprocess.run([sys.executable, str(ROOT / "scripts/train.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _prepared(tmp: Path) -> list[str]:
+    from rlhf_jax.roles import ensure_model_weights
+    from rlhf_jax.tasks.addition import prepare_files
+    from rlhf_jax.trainer import SYNTHETIC_MODELS
+
+    prepare_files(str(tmp / "train.parquet"), str(tmp / "val.parquet"), str(tmp / "model"),
+                  64, 16, 0)
+    (tmp / "model/config.json").write_text(json.dumps(SYNTHETIC_MODELS["addition"]))
+    ensure_model_weights(tmp / "model", SYNTHETIC_MODELS["addition"], 0)
+    return [f"data.train_files={tmp / 'train.parquet'}", f"data.val_files={tmp / 'val.parquet'}",
+            f"actor_rollout_ref.model.path={tmp / 'model'}",
+            f"trainer.default_local_dir={tmp / 'run'}", "trainer.sft_warmup.enable=false",
+            "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "trainer.total_training_steps=1", "trainer.logger=[jsonl]",
+            "trainer.val_before_train=false", "synthetic.task=null"]
+
+
+def _write_rows(path: Path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path):
+    base = _prepared(tmp_path)
+    row = {"data_source": "synthetic/addition",
+           "prompt": [{"role": "user", "content": "1 2 + 3 4 ="}], "ability": "arithmetic",
+           "reward_model": {"style": "rule", "ground_truth": "4 6"}, "extra_info": {"i": 0}}
+    _write_rows(tmp_path / "noprompt.parquet", [{k: v for k, v in row.items() if k != "prompt"}])
+    long = dict(row, prompt=[{"role": "user", "content": "1 2 + 3 4 = 5 6 7 8 9 1 2 3"}])
+    _write_rows(tmp_path / "long.parquet", [row] * 20 + [long] + [row] * 11)
+    _write_rows(tmp_path / "unknown.parquet", [dict(row, data_source="nobody/knows")] * 32)
+    cases = {
+        "data file not found": [f"data.train_files={tmp_path / 'missing.parquet'}"],
+        "has no column 'prompt'": [f"data.train_files={tmp_path / 'noprompt.parquet'}"],
+        "row 20": [f"data.train_files={tmp_path / 'long.parquet'}"],
+        "no reward function for data_source 'nobody/knows'": [
+            f"data.train_files={tmp_path / 'unknown.parquet'}"],
+        "has no config.json": [f"actor_rollout_ref.model.path={tmp_path / 'nowhere'}",
+                               f"actor_rollout_ref.model.tokenizer_path={tmp_path / 'model'}"],
+        "micro": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_device=4",
+                  "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+        "do not split into mini-batches of 5": ["actor_rollout_ref.actor.ppo_mini_batch_size=5"],
+    }
+    for needle, extra in cases.items():
+        out = _run(["--config", str(ROOT / "configs/ppo_tiny_cpu.yaml"), *base, *extra],
+                   cwd=tmp_path)
+        assert out.returncode == 2, (needle, out.stderr[-2000:])
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (needle, out.stderr[-2000:])
+        assert needle in lines[0], (needle, lines[0])
