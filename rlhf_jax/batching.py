@@ -70,17 +70,33 @@ def micro_sharding(mesh, batch_axes: tuple[str, ...], ndim: int, lead: int) -> N
     return NamedSharding(mesh, P(*([None] * lead), axis, *([None] * (ndim - lead - 1))))
 
 
+def to_global(x, sharding) -> jax.Array:
+    """A host array that every process holds whole -> a `jax.Array` laid out by `sharding`.
+
+    With several processes each one fills only its own devices' shards (no transfer between
+    hosts, no check that the copies agree: the SPMD program guarantees they do).
+    """
+    x = np.asarray(x)
+    if jax.process_count() == 1 or sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def replicated(x, mesh) -> jax.Array:
+    """A host array on every device of `mesh` (fully replicated)."""
+    return to_global(x, NamedSharding(mesh, P()))
+
+
 def put(tree, mesh, batch_axes: tuple[str, ...], lead: int):
-    """Places host arrays on the mesh with `micro_sharding`; each process gives its own rows."""
+    """Places host arrays on the mesh with `micro_sharding`.
+
+    Every process passes the same, global arrays (the trainer gathers the hosts' prompts
+    first, so all of them hold the whole rollout); each fills its own devices' shards.
+    """
 
     def one(x):
         x = np.asarray(x)
-        sharding = micro_sharding(mesh, batch_axes, x.ndim, lead)
-        if jax.process_count() == 1:
-            return jax.device_put(x, sharding)
-        shape = list(x.shape)
-        shape[lead] *= jax.process_count()
-        return jax.make_array_from_process_local_data(sharding, x, tuple(shape))
+        return to_global(x, micro_sharding(mesh, batch_axes, x.ndim, lead))
 
     return jax.tree.map(one, tree)
 
@@ -89,7 +105,8 @@ def fetch(tree):
     """Device arrays back to host numpy (gathered across processes when needed)."""
 
     def one(x):
-        if jax.process_count() > 1 and not x.is_fully_addressable:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable \
+                and not x.is_fully_replicated:
             from jax.experimental import multihost_utils
 
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import sys
 import time
-from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
-
-from rlhf_jax.errors import ConfigError
 
 # Dense peak FLOP/s per device by `device_kind` substring (bf16 on accelerators).
 PEAK_FLOPS = {
@@ -94,13 +88,13 @@ def peak_flops_per_device() -> float:
     import jax
     import jax.numpy as jnp
 
-    kind = jax.devices()[0].device_kind
+    kind = jax.local_devices()[0].device_kind
     for key, value in PEAK_FLOPS.items():
         if key.lower() in kind.lower():
             return value
     if kind not in _MEASURED_PEAK:
         n = 1024
-        a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices()[0])
+        a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.local_devices()[0])
         f = jax.jit(lambda x: x @ x)
         f(a).block_until_ready()
         best = math.inf
@@ -110,72 +104,3 @@ def peak_flops_per_device() -> float:
             best = min(best, time.perf_counter() - t)
         _MEASURED_PEAK[kind] = 2 * n**3 / best
     return _MEASURED_PEAK[kind]
-
-
-# ------------------------------------------------------------------------------------ trackers
-
-
-class JsonlTracker:
-    """Appends one JSON object per step to `<run_dir>/metrics.jsonl`."""
-
-    def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        row = {"training/global_step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def close(self) -> None:
-        pass
-
-
-class ConsoleTracker:
-    """One line per step: step/total, ETA, score, KL, throughput, then the losses."""
-
-    KEYS = ("critic/score/mean", "actor/ppo_kl", "actor/pg_loss", "critic/vf_loss",
-            "response_length/mean", "perf/throughput", "timing_s/step")
-
-    def __init__(self, total_steps: int, stream=None):
-        self.total = total_steps
-        self.stream = stream or sys.stdout
-        self.start = time.perf_counter()
-        self.first_step: int | None = None
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self.first_step is None:
-            self.first_step = step - 1
-        done = step - self.first_step
-        eta = (time.perf_counter() - self.start) / max(done, 1) * (self.total - step)
-        parts = [f"step {step}/{self.total}", f"eta {eta:5.0f}s"]
-        for key in self.KEYS:
-            if key in metrics:
-                parts.append(f"{key.split('/', 1)[1] if key.count('/') == 1 else key}="
-                             f"{_plain(metrics[key]):.4g}")
-        for key in sorted(k for k in metrics if k.startswith("val-core/")):
-            parts.append(f"{key}={_plain(metrics[key]):.4g}")
-        print(" | ".join(parts), file=self.stream, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
-def _plain(v):
-    if isinstance(v, (np.generic, np.ndarray)):
-        return v.item()
-    return float(v) if hasattr(v, "__float__") and not isinstance(v, (int, float)) else v
-
-
-def make_trackers(names, run_dir: str | Path, total_steps: int):
-    out = []
-    for name in names:
-        if name == "console":
-            out.append(ConsoleTracker(total_steps))
-        elif name == "jsonl":
-            out.append(JsonlTracker(run_dir))
-        else:
-            raise ConfigError(
-                f"trainer.logger: tracker {name!r} is not available yet (console, jsonl)"
-            )
-    return out

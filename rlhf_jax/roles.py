@@ -71,7 +71,7 @@ def ensure_model_weights(path: str | Path, hf_config: dict, seed: int) -> None:
     from rlhf_jax.models import ModelConfig
 
     model = Model(ModelConfig.from_hf(hf_config))
-    mesh = make_mesh(load_mesh_spec("single"))
+    mesh = make_mesh(load_mesh_spec("single"), jax.local_devices())  # this host's own device
     params = model.init(jax.random.key(seed), mesh, load_mesh_spec("single").train_rules)
     save_hf(model, params, path)
 

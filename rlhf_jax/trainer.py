@@ -14,15 +14,18 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from rlhf_jax import batching, ppo, roles, sft
+from rlhf_jax import batching, distributed, offload, ppo, roles, sft
 from rlhf_jax import train_steps as ts
-from rlhf_jax.config import to_yaml, validate_batch_arithmetic
-from rlhf_jax.core_algos import get_kl_controller
+from rlhf_jax.checkpoint import Checkpointer, CheckpointError
+from rlhf_jax.config import to_dict, to_yaml, validate_batch_arithmetic
+from rlhf_jax.core_algos import KLControllerState, get_kl_controller
 from rlhf_jax.data import PromptDataset, PromptLoader
-from rlhf_jax.metrics import Timer, data_metrics, make_trackers, peak_flops_per_device, train_flops
+from rlhf_jax.metrics import Timer, data_metrics, peak_flops_per_device, train_flops
 from rlhf_jax.rewards import load_custom_reward_fn, score_batch
+from rlhf_jax.rollback import RollbackLimit, RollbackWatch
 from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, reshard
 from rlhf_jax.tokenizer import load_tokenizer
+from rlhf_jax.trackers import make_trackers
 
 # The architecture a synthetic task's random-init model gets (HF config.json fields).
 SYNTHETIC_MODELS = {
@@ -58,6 +61,13 @@ class Rollout:
 class Trainer:
     """Holds the roles, data and trackers of one run; `run()` trains to the end."""
 
+    # Host offload (`ref.param_offload`, `actor.optimizer_offload`, `critic.optimizer_offload`):
+    # each assignment puts these in pinned host memory (a no-op without offload); the jitted
+    # steps bring them to device memory for their call only (`offload.onloaded`).
+    actor = offload.Offloaded("actor", "opt_state")
+    critic = offload.Offloaded("critic", "opt_state")
+    ref_params = offload.Offloaded("ref")
+
     def __init__(self, cfg):
         self.cfg = cfg
         self.layouts = roles.build_mesh(cfg)
@@ -74,15 +84,34 @@ class Trainer:
         fn = cfg.reward.custom_reward_function
         if fn.path:
             self.reward_fn = load_custom_reward_fn(fn.path, fn.name)
-        self.trackers = make_trackers(cfg.trainer.logger, self.run_dir, self.total_steps)
+        t = cfg.trainer
+        self.trackers = [] if jax.process_index() else make_trackers(
+            t.logger, self.run_dir, total_steps=self.total_steps, config=to_dict(cfg),
+            project=t.project_name, experiment=t.experiment_name)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints",
+                                         max_to_keep=t.max_ckpt_to_keep)
+        self.watch = RollbackWatch(t.rollback.max_kl, t.rollback.value_loss_spike)
+        self.rollbacks = 0
+        self.recent_scores: list[float] = []  # critic/score/mean of the last 5 steps
         self.global_step = 0
+        # Test-only: `fault_hook(trainer, metrics) -> metrics` runs after each step, before the
+        # rollback checks (tests inject NaNs and spikes with it; no config key reaches it).
+        self.fault_hook = None
 
     # ------------------------------------------------------------------------------ set-up
 
     def _prepare_synthetic(self):
-        task = self.cfg.synthetic.task
-        if task is None:
+        if self.cfg.synthetic.task is None:
             return
+        # Process 0 writes the files first; the others then find them (a shared disk) or write
+        # their own identical copy (same seed), never while another process is writing.
+        for turn in (0, 1):
+            if (jax.process_index() == 0) == (turn == 0):
+                self._write_synthetic()
+            distributed.barrier(f"rlhf_jax-synthetic-{turn}")
+
+    def _write_synthetic(self):
+        task = self.cfg.synthetic.task
         from rlhf_jax.tasks import addition
 
         addition.prepare(self.cfg)
@@ -102,11 +131,12 @@ class Trainer:
             PromptDataset(list(d.train_files), self.tokenizer, **ds_kw), d.train_batch_size,
             shuffle=d.shuffle, seed=d.seed, **shard,
         )
+        self.train_loader = distributed.gathered(self.train_loader)  # hosts' shards joined
         self.val_loader = None
         if d.val_files:
             val = PromptDataset(list(d.val_files), self.tokenizer, **ds_kw)
-            self.val_loader = PromptLoader(val, d.val_batch_size or len(val), shuffle=False,
-                                           drop_remainder=False, **shard)
+            self.val_loader = distributed.gathered(PromptLoader(
+                val, d.val_batch_size or len(val), shuffle=False, drop_remainder=False, **shard))
         t = self.cfg.trainer
         per_epoch = self.train_loader.steps_per_epoch
         self.total_steps = t.total_training_steps or t.total_epochs * per_epoch
@@ -114,6 +144,7 @@ class Trainer:
     def _build_roles(self):
         cfg, lay = self.cfg, self.layouts
         arr = cfg.actor_rollout_ref
+        self.offload = offload.plan(cfg)  # before the first assignment of actor, ref, critic
         rng = jax.random.key(cfg.trainer.seed)
         self.actor_model = roles.actor_model(cfg).with_layout(lay.mesh, lay.spec.train_rules)
         params = roles.load_or_init(self.actor_model, arr.model.path, lay, rng)
@@ -158,7 +189,8 @@ class Trainer:
             use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
             temperature=temperature,
         )
-        state_sh = jax.tree.map(lambda x: x.sharding, self.actor)
+        # Compiled for device memory; an offloaded opt_state comes there per call.
+        state_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, self.actor))
         self.actor_update = jax.jit(
             functools.partial(ts.actor_update, model=self.actor_model, loss=loss,
                               optim=self.actor_optim),
@@ -170,9 +202,12 @@ class Trainer:
                               temperature=temperature, with_entropy=False),
             in_shardings=(params_sh, None),
         )
+        self.actor_update = offload.onloaded(self.actor_update, self.offload["actor"],
+                                             "opt_state")
+        self.log_probs = offload.onloaded(self.log_probs, self.offload["ref"])
         if self.critic is not None:
             c = cfg.critic
-            critic_sh = jax.tree.map(lambda x: x.sharding, self.critic)
+            critic_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, self.critic))
             self.critic_update = jax.jit(
                 functools.partial(
                     ts.critic_update, model=self.critic_model,
@@ -184,6 +219,8 @@ class Trainer:
             )
             self.values = jax.jit(functools.partial(ts.values_step, model=self.critic_model),
                                   in_shardings=(critic_sh.params, None))
+            self.critic_update = offload.onloaded(self.critic_update, self.offload["critic"],
+                                                  "opt_state")
         self.peak_flops = peak_flops_per_device()
         del lay
 
@@ -382,35 +419,143 @@ class Trainer:
         for tracker in self.trackers:
             tracker.log(metrics, self.global_step)
 
-    def run(self) -> list[dict]:
+    # ------------------------------------------------------------------ checkpoints, rollback
+
+    def _ckpt_state(self) -> dict:
+        """Every array a run's future depends on (the rest goes in `_ckpt_meta`)."""
+        state = {"actor": self.actor}
+        if self.critic is not None:
+            state["critic"] = self.critic
+        if self.ref_params is not None:
+            state["ref"] = self.ref_params
+        return state
+
+    def _ckpt_meta(self) -> dict:
+        return {
+            "good": True, "step": self.global_step, "epoch": self.train_loader.epoch,
+            "loader": self.train_loader.get_state(),
+            "kl_coef": float(self.kl_state.kl_coef), "watch": self.watch.state(),
+            "recent_scores": self.recent_scores, "config": to_dict(self.cfg),
+        }
+
+    def save(self) -> None:
+        """Starts an asynchronous checkpoint of this step (`checkpoints/<step>`)."""
+        self.checkpointer.save(self.global_step, self._ckpt_state(), self._ckpt_meta(),
+                               force=True)
+
+    def _load(self, step: int, state: dict, meta: dict) -> None:
+        self.actor = state["actor"]
+        self.critic = state.get("critic", self.critic)
+        self.ref_params = state.get("ref", self.ref_params)
+        self.global_step = step
+        self.train_loader.set_state(meta["loader"])
+        self.kl_state = KLControllerState(jax.numpy.asarray(meta["kl_coef"], jax.numpy.float32))
+        self.watch.load(meta["watch"])
+        self.recent_scores = list(meta["recent_scores"])
+        self.sync_weights()
+
+    def restore(self) -> bool:
+        """`trainer.resume_mode`: continue from a checkpoint; False when starting afresh."""
         t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return False
+        target = self._ckpt_state()
+        if t.resume_mode == "resume_path":
+            path = Path(t.resume_from_path)
+            if not path.name.isdigit():
+                raise CheckpointError(f"trainer.resume_from_path: {path} is not a checkpoint "
+                                      "step folder (<run>/checkpoints/<step>)")
+            with Checkpointer(path.parent) as source:
+                got = source.restore(int(path.name), target_state=target)
+            origin = str(path)
+        else:
+            got = self.checkpointer.restore_latest_good(target_state=target)
+            if got is None:
+                return False
+            origin = str(self.checkpointer.directory / str(got.step))
+        self._load(got.step, got.state, got.meta)
+        print(f"resumed from {origin} at step {got.step} (epoch {self.train_loader.epoch})",
+              flush=True)
+        self.log({"event": "training/resumed", "from_step": got.step, "path": origin})
+        return True
+
+    def roll_back(self, cause: str) -> None:
+        """Restores the latest good checkpoint and scales both learning rates by lr_factor."""
+        rb = self.cfg.trainer.rollback
+        self.rollbacks += 1
+        failed = self.global_step
+        if self.rollbacks > rb.max_rollbacks:
+            raise RollbackLimit(f"step {failed}: {cause}; stopping after "
+                                f"trainer.rollback.max_rollbacks={rb.max_rollbacks} rollbacks")
+        lr_scale = np.float32(float(self.actor.lr_scale) * rb.lr_factor)
+        got = self.checkpointer.restore_latest_good(target_state=self._ckpt_state())
+        if got is None:
+            raise RollbackLimit(f"step {failed}: {cause}; no checkpoint to roll back to")
+        self._load(got.step, got.state, got.meta)
+        # From the host, so each state gets a buffer of its own (both are donated).
+        scale = lambda s: s._replace(lr_scale=jax.device_put(lr_scale, s.lr_scale.sharding))
+        self.actor = scale(self.actor)
+        if self.critic is not None:
+            self.critic = scale(self.critic)
+        print(f"rollback {self.rollbacks}/{rb.max_rollbacks} at step {failed}: {cause}; "
+              f"restored step {got.step}, learning rates x{float(lr_scale):.4g}", flush=True)
+        self.log({"event": "training/rollbacks", "count": self.rollbacks, "cause": cause,
+                  "failed_step": failed, "restored_step": got.step,
+                  "lr_scale": float(lr_scale)})
+
+    # --------------------------------------------------------------------------------- run
+
+    def _next_batch(self):
+        try:
+            return next(self.train_loader)
+        except StopIteration:  # an epoch ended: the loader moved to the next one
+            return next(self.train_loader)
+
+    def run(self) -> list[dict]:
+        """Trains to `total_steps` (or the early stop); returns every logged step's metrics."""
+        t, rb = self.cfg.trainer, self.cfg.trainer.rollback
         history = []
-        sft.warm_start(self)
-        if t.val_before_train:
-            self.log(self.validate())
-        loader = iter(self.train_loader)
-        while self.global_step < self.total_steps:
-            try:
-                batch = next(loader)
-            except StopIteration:
-                loader = iter(self.train_loader)
-                batch = next(loader)
-            self.global_step += 1
-            metrics = self.step(batch)
-            metrics["training/epoch"] = float(self.train_loader.epoch)
-            if t.test_freq > 0 and (self.global_step % t.test_freq == 0
-                                    or self.global_step == self.total_steps):
-                metrics.update(self.validate())
-            history.append(metrics)
-            self.log(metrics)
-            recent = [m["critic/score/mean"] for m in history[-5:]]
-            if (t.early_stop_score is not None and len(recent) == 5
-                    and np.mean(recent) >= t.early_stop_score):
-                print(f"early stop at step {self.global_step}: mean score of the last 5 steps "
-                      f"{np.mean(recent):.3f} >= {t.early_stop_score}", flush=True)
-                break
-        for tracker in self.trackers:
-            tracker.close()
+        try:
+            if not self.restore():
+                sft.warm_start(self)
+                if t.val_before_train:
+                    self.log(self.validate())
+                if rb.enable:  # the rollback target until the first save
+                    self.save()
+            while self.global_step < self.total_steps:
+                batch = self._next_batch()
+                self.global_step += 1
+                metrics = self.step(batch)
+                metrics["training/epoch"] = float(self.train_loader.epoch)
+                if self.fault_hook is not None:
+                    metrics = self.fault_hook(self, metrics)
+                cause = self.watch.cause(metrics) if rb.enable else None
+                if cause is not None:
+                    history.append(metrics)
+                    self.log(metrics)
+                    self.roll_back(cause)
+                    continue
+                self.watch.observe(metrics)
+                if t.test_freq > 0 and (self.global_step % t.test_freq == 0
+                                        or self.global_step == self.total_steps):
+                    metrics.update(self.validate())
+                history.append(metrics)
+                self.log(metrics)
+                self.recent_scores = [*self.recent_scores, metrics["critic/score/mean"]][-5:]
+                stop = (t.early_stop_score is not None and len(self.recent_scores) == 5
+                        and np.mean(self.recent_scores) >= t.early_stop_score)
+                if stop or self.global_step == self.total_steps or (
+                        t.save_freq > 0 and self.global_step % t.save_freq == 0):
+                    self.save()
+                if stop:
+                    print(f"early stop at step {self.global_step}: mean score of the last 5 "
+                          f"steps {np.mean(self.recent_scores):.3f} >= {t.early_stop_score}",
+                          flush=True)
+                    break
+        finally:
+            self.checkpointer.close()
+            for tracker in self.trackers:
+                tracker.close()
         return history
 
 

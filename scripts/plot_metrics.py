@@ -3,9 +3,9 @@
 Reads `RUN_DIR/metrics.jsonl` (the jsonl tracker's lines) and writes one PNG (default
 `RUN_DIR/dashboard.png`) with score, KL, KL coefficient, losses, clip fractions, entropy,
 response length and throughput against `training/global_step`. Rollback events
-(`"event": "rollback"` lines) are dashed red verticals on every panel. After a rollback the
-steps repeat: the re-run is drawn as a new segment, so the discarded excursion stays visible.
-A missing metrics file prints one line (`error: ...`) and exits with status 2.
+(`"event": "training/rollbacks"` lines) are dashed red verticals on every panel. After a
+rollback the steps repeat: the re-run is drawn as a new segment, so the discarded excursion
+stays visible. A missing metrics file prints one line (`error: ...`) and exits with status 2.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 STEP = "training/global_step"
+ROLLBACK_EVENTS = ("training/rollbacks",)
 
 # (title, keys); a key ending in "/*" takes every metric with that prefix.
 PANELS = (
@@ -88,7 +89,7 @@ def plot(rows: list[dict], events: list[dict], out: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(20, 8.5), constrained_layout=True)
-    rollbacks = sorted({e[STEP] for e in events if e.get("event") == "rollback"})
+    rollbacks = sorted({e[STEP] for e in events if e.get("event") in ROLLBACK_EVENTS})
     for ax, (name, keys) in zip(axes.flat, PANELS, strict=True):
         ax.set_title(name)
         ax.set_xlabel("step")
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"warning: skipped {bad} unreadable line(s) in {path}", file=sys.stderr)
     out = args.out or args.run_dir / "dashboard.png"
-    n_rollbacks = sum(e.get("event") == "rollback" for e in events)
+    n_rollbacks = sum(e.get("event") in ROLLBACK_EVENTS for e in events)
     plot(rows, events, out, title=f"{args.run_dir}: {len(rows)} logged steps, "
                                   f"{n_rollbacks} rollback{'s' * (n_rollbacks != 1)}")
     print(out)

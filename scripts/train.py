@@ -1,6 +1,7 @@
 """Train a policy with PPO: `python scripts/train.py --config configs/X.yaml [key=value ...]`.
 
 Overrides use verl's dotted keys (`actor_rollout_ref.actor.optim.lr=1e-6`, `mesh=gpu-8`);
+on several hosts run it on every host (see README "Multi-host", or scripts/launch_ray.py);
 `--print-config` prints the effective config as YAML and exits without importing jax.
 Configuration and input errors print one line (`error: ...`) and exit with status 2.
 """
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             sys.stdout.write(to_yaml(cfg))
             return 0
+        # Several hosts (a TPU pod slice, JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+        # JAX_PROCESS_ID, SLURM): join them before jax starts; alone, this does nothing.
+        importlib.import_module("rlhf_jax.distributed").initialize()
         try:  # lazy: jax loads only when training
             trainer = importlib.import_module("rlhf_jax.trainer")
         except ModuleNotFoundError as exc:

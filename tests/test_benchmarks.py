@@ -51,4 +51,6 @@ def test_memory_small():
     _finite(out, "memory.")
     assert out["memory.mesh"] == "2x2x2"
     assert out["memory.params_ratio_to_ideal"] == pytest.approx(1.0, abs=0.1)
-    assert out["memory.opt_state_ratio_to_ideal_sharded_init"] == pytest.approx(1.0, abs=0.1)
+    assert out["memory.opt_state_ratio_to_ideal"] == pytest.approx(1.0, abs=0.1)
+    assert out["memory.ratio_to_ideal"] == pytest.approx(1.0, abs=0.1)
+    assert out["memory.opt_state_replicated_ratio_to_ideal"] > 3  # what init_state avoids

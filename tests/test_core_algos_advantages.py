@@ -203,6 +203,24 @@ def test_estimators_match_numpy(kind, dtype, tol):
             np.testing.assert_allclose(raw[0], 0.0, atol=tol)
 
 
+@pytest.mark.parametrize("t", [4, 9, 12])
+@pytest.mark.parametrize("kind", ["arbitrary", "edge"])
+def test_time_recurrences_in_blocks(monkeypatch, t, kind):
+    # blocks of 4 time steps: one block, blocks plus a partial one, whole blocks only
+    from rlhf_jax.core_algos import advantages
+
+    monkeypatch.setattr(advantages, "TIME_BLOCK", 4)
+    rng = np.random.default_rng(t)
+    m = make_mask(kind, rng, t=t)
+    r, v = rng.normal(size=(B, t)), rng.normal(size=(B, t))
+    gae = ca.compute_gae_advantage_return(r, v, m, 0.9, 0.8)
+    for g, w in zip(gae, ref_gae(r, v, m, 0.9, 0.8), strict=True):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6, atol=1e-6)
+    rpp = ca.compute_reinforce_plus_plus_outcome_advantage(r, m, 0.7)
+    for g, w in zip(rpp, ref_rpp(r, m, 0.7), strict=True):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6, atol=1e-6)
+
+
 def test_gae_hand_case():
     # gamma = 0.5, lam = 1. Row 0, all valid, V = [.2, .4, .8], r = [0, 0, 1]:
     #   t2: delta = 1 - .8 = .2, A = .2;  t1: delta = .5*.8 - .4 = 0, A = .5*.2 = .1;

@@ -36,7 +36,7 @@ def synthetic_rows():
             row["val-core/gsm8k/acc/mean@1"] = s / 40
         rows.append(row)
         if i == 19:
-            rows.append({"training/global_step": 20, "event": "rollback",
+            rows.append({"training/global_step": 20, "event": "training/rollbacks",
                          "reason": "actor/ppo_kl > 0.1", "restored_step": 15})
     return rows
 

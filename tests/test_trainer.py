@@ -1,5 +1,6 @@
 """End to end: a few PPO / GRPO steps on the synthetic task, (2,2,2) against (1,1,1)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -8,57 +9,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
+from tiny_run import ROOT, algorithmic, compare, jsonl_rows, tiny
 
-from rlhf_jax.config import load_config
 from rlhf_jax.trainer import train
-
-ROOT = Path(__file__).resolve().parents[1]
-# Metrics that measure the machine, not the algorithm.
-MACHINE = ("timing_s/", "perf/")
-
-
-def tiny(tmp: Path, config="ppo_tiny_cpu.yaml", **extra):
-    overrides = {
-        "data.train_files": str(tmp / "data/train.parquet"),
-        "data.val_files": str(tmp / "data/val.parquet"),
-        "actor_rollout_ref.model.path": str(tmp / "model"),
-        "trainer.default_local_dir": str(tmp / "run"),
-        "data.train_batch_size": 16,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_device": 1,
-        "actor_rollout_ref.rollout.max_concurrent_decodes": 16,
-        "trainer.total_training_steps": 2,
-        "trainer.test_freq": 2,
-        "trainer.val_before_train": False,
-        "trainer.logger": "[jsonl]",
-        "trainer.sft_warmup.max_steps": 4,
-        "trainer.sft_warmup.eval_every": 2,
-        "trainer.sft_warmup.target_score": 2.0,  # never reached: exactly 4 steps
-        "trainer.sft_warmup.batch_size": 16,
-        "synthetic.num_train": 64,
-        "synthetic.num_val": 16,
-    }
-    overrides.update(extra)
-    return load_config(ROOT / "configs" / config, [f"{k}={v}" for k, v in overrides.items()])
-
-
-def _algorithmic(history):
-    return [{k: v for k, v in m.items() if not k.startswith(MACHINE)} for m in history]
-
-
-def _compare(a, b, atol):
-    assert len(a) == len(b)
-    for step, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert x.keys() == y.keys()
-        for k in x:
-            assert x[k] == pytest.approx(y[k], abs=atol, rel=1e-4), (step, k)
 
 
 def test_ppo_on_2x2x2_equals_1x1x1(tmp_path):
-    sharded = _algorithmic(train(tiny(tmp_path / "a", mesh="cpu-8")))
-    single = _algorithmic(train(tiny(tmp_path / "b", mesh="single")))
-    _compare(sharded, single, atol=1e-4)
+    sharded = algorithmic(train(tiny(tmp_path / "a", mesh="cpu-8")))
+    single = algorithmic(train(tiny(tmp_path / "b", mesh="single")))
+    compare(sharded, single, atol=1e-4)
     last = sharded[-1]
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
                 "critic/vf_loss", "critic/vf_clipfrac", "critic/score/mean",
@@ -72,6 +31,18 @@ def test_ppo_on_2x2x2_equals_1x1x1(tmp_path):
     for key in ("timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
                 "perf/mfu/actor", "perf/throughput"):
         assert rows[-1][key] > 0, key
+
+    # The checkpoint saved on (2,2,2) at the end goes on, one step more, on (1,8,1) and (1,1,1).
+    more = {"trainer.total_training_steps": 3, "trainer.test_freq": -1}
+    on_181 = train(tiny(tmp_path / "a", mesh="{preset: cpu-8, data: 1, fsdp: 8, tensor: 1}",
+                        **more))
+    on_111 = train(tiny(tmp_path / "c", mesh="single", **more, **{
+        "trainer.resume_mode": "resume_path",
+        "trainer.resume_from_path": str(tmp_path / "a/run/checkpoints/2")}))
+    assert len(on_181) == len(on_111) == 1
+    compare(algorithmic(on_181), algorithmic(on_111), atol=1e-4)
+    resumed = [r for r in jsonl_rows(tmp_path / "a/run") if r.get("event") == "training/resumed"]
+    assert [r["from_step"] for r in resumed] == [2]
 
 
 def test_grpo_without_critic(tmp_path):
@@ -107,7 +78,7 @@ def _write_rows(path: Path, rows):
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-def test_bad_inputs_are_one_line_errors(tmp_path):
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     base = _prepared(tmp_path)
     row = {"data_source": "synthetic/addition",
            "prompt": [{"role": "user", "content": "1 2 + 3 4 ="}], "ability": "arithmetic",
@@ -128,10 +99,21 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
                   "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
         "do not split into mini-batches of 5": ["actor_rollout_ref.actor.ppo_mini_batch_size=5"],
     }
+    config = ["--config", str(ROOT / "configs/ppo_tiny_cpu.yaml")]
+    # One case as a real process (exit status, nothing but the line on stderr) ...
+    out = _run([*config, *base, *cases.pop("data file not found")], cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith("error: data file not found") \
+        and out.stderr.count("\n") == 1, out.stderr[-2000:]
+    # ... the others through the script's main() in this process (no jax start-up each).
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts/train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     for needle, extra in cases.items():
-        out = _run(["--config", str(ROOT / "configs/ppo_tiny_cpu.yaml"), *base, *extra],
-                   cwd=tmp_path)
-        assert out.returncode == 2, (needle, out.stderr[-2000:])
-        lines = out.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: "), (needle, out.stderr[-2000:])
+        capsys.readouterr()
+        code = script.main([*config, *base, *extra])
+        err = capsys.readouterr().err
+        assert code == 2, (needle, err[-2000:])
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (needle, err[-2000:])
         assert needle in lines[0], (needle, lines[0])

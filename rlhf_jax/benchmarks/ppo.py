@@ -39,13 +39,12 @@ from rlhf_jax.benchmarks.common import (
     workload_model_config,
     workload_prompts,
 )
-from rlhf_jax.benchmarks.mfu import CompileCounter, matmul_peak_flops
+from rlhf_jax.benchmarks.mfu import FAST_COMPILE, CompileCounter, matmul_peak_flops
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model
 from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, reshard
 
 TRL_TOKENS_PER_S = 1368.0  # WORKLOAD.md, TRL 1.12 PPO on the idle 2-core machine
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic",
           "update_actor", "update_weights")
 
@@ -259,8 +258,9 @@ def run(*, small: bool = False, warmup: int = 2, repeats: int = 5, **overrides) 
         "ppo.devices": jax.device_count(),
         "ppo.peak_rss_mb": peak_rss_mb(),
     }
-    out.update({f"ppo.stage.{s}": med(s) for s in STAGES})
-    out["ppo.stage.other"] = seconds - sum(out[f"ppo.stage.{s}"] for s in STAGES)
+    for r in records:  # outside every stage: batch placement, host fetches
+        r["other"] = r["step"] - sum(r[s] for s in STAGES)
+    out.update({f"ppo.stage.{s}": med(s) for s in (*STAGES, "other")})
     return out
 
 

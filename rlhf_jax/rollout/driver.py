@@ -19,6 +19,7 @@ from typing import Literal
 import jax
 import numpy as np
 
+from rlhf_jax.batching import fetch
 from rlhf_jax.errors import ConfigError, DataError
 from rlhf_jax.rollout.engine import Engine, Prefix
 from rlhf_jax.rollout.reshard import reshard
@@ -196,10 +197,12 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
         state, _ = engine.generate_steps(params, state, steps_per_call, sampling,
                                          stop_when_done=stop)
         run.stats["generate_calls"] += 1
-        done = jax.device_get(state.done)  # the one sync per call: which slots finished
+        # The one sync per call: which slots finished. `fetch` gathers the slots of every
+        # host, so all processes see the same slots finish and refill them alike.
+        done = fetch(state.done)
         finished = [s for s, rid in enumerate(run.slot_request) if rid >= 0 and done[s]]
         if finished:
-            resp, lp, raw, gen = jax.device_get(
+            resp, lp, raw, gen = fetch(
                 (state.response, state.log_probs, state.raw_log_probs, state.generated)
             )
             for s in finished:
@@ -210,7 +213,7 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
                 lengths[rid] = k
                 run.slot_request[s] = -1
             state = run.refill(state)
-    run.stats["decode_steps"] = int(jax.device_get(state.steps))
+    run.stats["decode_steps"] = int(fetch(state.steps))
     mask = (np.arange(r)[None] < lengths[:, None]).astype(np.int32)
     run.stats["tokens_generated"] = int(lengths.sum())
     return RolloutBatch(

@@ -1,0 +1,186 @@
+"""Train on several hosts: `launch_ray.py --config X.yaml --num-hosts N [key=value ...]`.
+
+Connects to a Ray cluster (`--address`, e.g. `auto` on a node of a running cluster) or starts
+a local one, reserves one placement-group bundle per host (STRICT_SPREAD: one node each),
+starts one `HostWorker` actor per bundle, gives every actor the jax coordinator address of
+actor 0 and runs the trainer in all of them; together they form one `jax.distributed` job
+over one global mesh. The first actor to fail brings the job down: the others are killed, its
+error is printed and the launcher exits non-zero (2 for a configuration error, else 1).
+
+A local cluster has one node, so its actors share it (placement SPREAD); that is a test set-up
+(`--cpu-devices-per-host 4` simulates 4 CPU devices per process), not a multi-host run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from rlhf_jax.config import load_config
+from rlhf_jax.errors import UserError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_tiny_cpu.yaml"
+PLACEMENTS = {"strict_spread": "STRICT_SPREAD", "spread": "SPREAD", "pack": "PACK"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="a YAML config")
+    p.add_argument("--num-hosts", type=int, required=True, help="processes (one per host)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join ('auto', 'host:6379', 'ray://host:10001'); "
+                        "default: start a local one-node cluster")
+    p.add_argument("--placement", choices=["auto", *PLACEMENTS], default="auto",
+                   help="placement-group strategy; auto: strict_spread on a cluster joined "
+                        "with --address, spread on a local cluster")
+    p.add_argument("--cpus-per-host", type=float, default=1.0, help="Ray CPUs per actor")
+    p.add_argument("--gpus-per-host", type=float, default=0.0, help="Ray GPUs per actor")
+    p.add_argument("--resources-per-host", default="{}",
+                   help='other Ray resources per actor as JSON, e.g. \'{"TPU": 4}\'')
+    p.add_argument("--cpu-devices-per-host", type=int, default=None,
+                   help="run on the CPU backend with this many simulated devices per process")
+    p.add_argument("--coordinator-port", type=int, default=0,
+                   help="port of jax's coordinator on actor 0's node (default: a free one)")
+    p.add_argument("--placement-timeout", type=float, default=300.0,
+                   help="seconds to wait for the cluster to fit all hosts")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    return p.parse_intermixed_args(argv)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _cause(exc: BaseException) -> tuple[str, bool]:
+    """The one-line message of an actor's failure, and whether it is a user error."""
+    import ray.exceptions
+
+    if isinstance(exc, ray.exceptions.RayTaskError):  # the actor raised: its own exception
+        cause = exc.cause if exc.cause is not None else exc
+        if isinstance(cause, UserError):
+            return str(cause).strip().splitlines()[0], True
+        lines = str(cause).strip().splitlines()
+        return f"{type(cause).__name__}: {lines[0] if lines else ''}", False
+    lines = str(exc).strip().splitlines()  # the actor's process died (killed, os._exit, OOM)
+    return f"its process died ({type(exc).__name__}: {lines[0] if lines else ''})", False
+
+
+def _actor_env(args) -> dict[str, str]:
+    """Environment of every actor: forwarded RLHF_JAX_* variables and the CPU simulation."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("RLHF_JAX_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    if args.cpu_devices_per_host is not None:
+        import re
+
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                       os.environ.get("XLA_FLAGS", "")).strip()
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
+                            f"{args.cpu_devices_per_host}").strip()
+    return env
+
+
+def launch(args) -> int:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from rlhf_jax.distributed import HostWorker
+
+    n = args.num_hosts
+    extra = json.loads(args.resources_per_host)
+    local = args.address is None
+    if local:
+        need = max(n * args.cpus_per_host, os.cpu_count() or 1)
+        ray.init(num_cpus=int(-(-need // 1)), num_gpus=int(n * args.gpus_per_host) or None,
+                 resources={k: n * v for k, v in extra.items()} or None,
+                 include_dashboard=False, log_to_driver=True)
+    else:
+        ray.init(address=args.address, log_to_driver=True)
+    strategy = args.placement
+    if strategy == "auto":
+        strategy = "spread" if local else "strict_spread"
+    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    print(f"launch_ray: {n} hosts on a {'local ' if local else ''}Ray cluster of {nodes} "
+          f"node(s), placement {PLACEMENTS[strategy]}"
+          + (" (a local cluster is one node: the hosts share it; a test set-up)" if local
+             else ""), flush=True)
+    bundle = {"CPU": args.cpus_per_host, **extra}
+    if args.gpus_per_host:
+        bundle["GPU"] = args.gpus_per_host
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy=PLACEMENTS[strategy])
+    workers = []
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=args.placement_timeout)
+        if not ready:
+            return _fail(f"the Ray cluster ({nodes} node(s)) cannot place {n} hosts of "
+                         f"{bundle} with {PLACEMENTS[strategy]} within "
+                         f"{args.placement_timeout:g}s", 2)
+        actor = ray.remote(HostWorker)
+        env = _actor_env(args)
+        for i in range(n):
+            workers.append(actor.options(
+                num_cpus=args.cpus_per_host, num_gpus=args.gpus_per_host, resources=extra,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=i),
+                runtime_env={"env_vars": env}, max_restarts=0, name=None,
+            ).remote())
+        coordinator = ray.get(workers[0].coordinator_address.remote(args.coordinator_port))
+        print(f"launch_ray: jax coordinator at {coordinator}", flush=True)
+        config = str(Path(args.config).resolve())
+        refs = {w.run.remote(coordinator, n, i, config, args.overrides,
+                             args.cpu_devices_per_host, os.getcwd()): i
+                for i, w in enumerate(workers)}
+        pending = list(refs)
+        results = {}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            i = refs[done[0]]
+            try:
+                results[i] = ray.get(done[0])
+            except Exception as e:  # the first failure ends the job
+                message, user = _cause(e)
+                return _fail(f"host {i} of {n} failed: {message}", 2 if user else 1)
+            print(f"launch_ray: host {i} finished ({results[i]['steps']} steps)", flush=True)
+        r = results[0]
+        print(f"launch_ray: done: {n} hosts, {r['devices']} devices, {r['steps']} steps, "
+              f"run in {r['run_dir']}", flush=True)
+        return 0
+    finally:
+        for w in workers:  # an actor still blocked in a collective is killed, not awaited
+            ray.kill(w, no_restart=True)
+        remove_placement_group(pg)
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.num_hosts < 1:
+            raise UserError(f"--num-hosts must be >= 1, got {args.num_hosts}")
+        try:
+            extra = json.loads(args.resources_per_host)
+        except ValueError as e:
+            raise UserError(f"--resources-per-host is not JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise UserError("--resources-per-host must be a JSON object")
+        cfg = load_config(args.config, args.overrides)  # fails here, before any actor starts
+        b = cfg.data.train_batch_size
+        if b % args.num_hosts:
+            raise UserError(f"data.train_batch_size {b} is not a multiple of --num-hosts "
+                            f"{args.num_hosts} (each host reads an equal share)")
+    except UserError as e:
+        return _fail(str(e), 2)
+    start = time.perf_counter()
+    code = launch(args)
+    print(f"launch_ray: exit {code} after {time.perf_counter() - start:.1f}s", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

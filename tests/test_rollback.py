@@ -1,0 +1,87 @@
+"""Automatic rollback: injected faults restore the last good checkpoint, lower the learning
+rates, log `training/rollbacks`, and the run finishes; too many rollbacks stop it."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from tiny_run import jsonl_rows, tiny
+
+from rlhf_jax.rollback import RollbackLimit, RollbackWatch
+from rlhf_jax.trainer import Trainer
+
+RUN = {"mesh": "single", "trainer.total_training_steps": 6, "trainer.save_freq": 2,
+       "trainer.test_freq": -1, "trainer.rollback.max_kl": 5.0,
+       "trainer.rollback.value_loss_spike": 1e6,  # only the injected spike counts
+       "trainer.rollback.max_rollbacks": 3}
+
+
+def _faults(plan):
+    """A fault hook: at step s (first visit only) apply plan[s](trainer, metrics)."""
+    done = set()
+
+    def hook(trainer, metrics):
+        step = trainer.global_step
+        if step in plan and step not in done:
+            done.add(step)
+            plan[step](trainer, metrics)
+        return metrics
+
+    return hook
+
+
+def nan_params(trainer, metrics):
+    """A real blow-up: the actor's parameters and its loss become NaN."""
+    trainer.actor = trainer.actor._replace(
+        params=jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), trainer.actor.params))
+    metrics["actor/pg_loss"] = math.nan
+
+
+def kl_spike(trainer, metrics):
+    metrics["actor/reward_kl_penalty"] = 7.0
+
+
+def vf_spike(trainer, metrics):
+    metrics["critic/vf_loss"] = 2 * trainer.watch.value_loss_spike * trainer.watch.vf_mean
+
+
+def test_each_trigger_rolls_back_lowers_lr_and_the_run_finishes(tmp_path):
+    trainer = Trainer(tiny(tmp_path, **RUN))
+    trainer.fault_hook = _faults({3: nan_params, 4: kl_spike, 6: vf_spike})
+    history = trainer.run()
+    events = [r for r in jsonl_rows(tmp_path / "run") if r.get("event") == "training/rollbacks"]
+    assert [(e["failed_step"], e["restored_step"]) for e in events] == [(3, 2), (4, 2), (6, 4)]
+    assert "non-finite actor/pg_loss" in events[0]["cause"]
+    assert "actor/reward_kl_penalty 7 > max_kl 5" in events[1]["cause"]
+    assert "critic/vf_loss" in events[2]["cause"] and "running mean" in events[2]["cause"]
+    assert [e["lr_scale"] for e in events] == [0.5, 0.25, 0.125]
+    assert trainer.global_step == 6 and trainer.rollbacks == 3
+    last = history[-1]
+    assert math.isfinite(last["actor/pg_loss"])  # the NaN parameters were replaced
+    assert last["actor/lr"] == pytest.approx(0.125 * trainer.actor_optim.lr, rel=1e-5)
+    assert float(trainer.critic.lr_scale) == 0.125
+    # The checkpoint of the last step is good and holds the lowered learning rate.
+    assert trainer.checkpointer.all_steps()[-1] == 6
+
+
+def test_too_many_rollbacks_stop_with_a_clear_message(tmp_path):
+    trainer = Trainer(tiny(tmp_path, **{**RUN, "trainer.rollback.max_rollbacks": 1}))
+    trainer.fault_hook = _faults({2: kl_spike, 3: kl_spike})
+    with pytest.raises(RollbackLimit, match=r"step 3: actor/reward_kl_penalty 7 > max_kl 5; "
+                                            r"stopping after trainer.rollback.max_rollbacks=1"):
+        trainer.run()
+
+
+def test_watch_checks_and_state_round_trip():
+    watch = RollbackWatch(max_kl=0.1, value_loss_spike=2.0, warmup=2)
+    assert watch.cause({"actor/kl_loss": 0.05, "critic/vf_loss": 10.0}) is None
+    for vf in (1.0, 1.0):
+        watch.observe({"critic/vf_loss": vf})
+    assert watch.cause({"critic/vf_loss": 1.9}) is None
+    assert "running mean 1" in watch.cause({"critic/vf_loss": 2.1})
+    assert "non-finite critic/grad_norm" in watch.cause({"critic/grad_norm": math.inf})
+    assert "actor/kl_loss 0.2 > max_kl 0.1" in watch.cause({"actor/kl_loss": 0.2})
+    other = RollbackWatch(max_kl=0.1, value_loss_spike=2.0, warmup=2)
+    other.load(watch.state())
+    assert other == watch
