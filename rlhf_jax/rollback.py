@@ -5,7 +5,7 @@ A step triggers a rollback when
 - the KL between actor and reference exceeds `max_kl` (the KL in the reward,
   `actor/reward_kl_penalty`, or the KL loss, `actor/kl_loss`), or
 - `critic/vf_loss` exceeds `value_loss_spike` times its running mean (an exponential mean
-  over the good steps so far, consulted once it holds `warmup` steps).
+  over the good steps so far, consulted once it holds `warmup` steps and is above 0).
 
 The watch's state is a small JSON dict, saved in every checkpoint and restored with it, so
 a resumed run and a rolled-back run judge later steps exactly as an uninterrupted one.
@@ -55,7 +55,7 @@ class RollbackWatch:
             if key in metrics and metrics[key] > self.max_kl:
                 return f"{key} {metrics[key]:.4g} > max_kl {self.max_kl:g}"
         vf = metrics.get("critic/vf_loss")
-        if vf is not None and self.vf_steps >= self.warmup \
+        if vf is not None and self.vf_steps >= self.warmup and self.vf_mean > 0 \
                 and vf > self.value_loss_spike * self.vf_mean:
             return (f"critic/vf_loss {vf:.4g} > {self.value_loss_spike:g} x its running mean "
                     f"{self.vf_mean:.4g}")

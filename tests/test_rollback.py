@@ -50,6 +50,7 @@ def test_each_trigger_rolls_back_lowers_lr_and_the_run_finishes(tmp_path):
     trainer = Trainer(tiny(tmp_path, **RUN))
     trainer.fault_hook = _faults({3: nan_params, 4: kl_spike, 6: vf_spike})
     history = trainer.run()
+    assert all(m["critic/vf_loss"] > 0 for m in history[:2])  # the run has a signal
     events = [r for r in jsonl_rows(tmp_path / "run") if r.get("event") == "training/rollbacks"]
     assert [(e["failed_step"], e["restored_step"]) for e in events] == [(3, 2), (4, 2), (6, 4)]
     assert "non-finite actor/pg_loss" in events[0]["cause"]
@@ -80,6 +81,9 @@ def test_watch_checks_and_state_round_trip():
         watch.observe({"critic/vf_loss": vf})
     assert watch.cause({"critic/vf_loss": 1.9}) is None
     assert "running mean 1" in watch.cause({"critic/vf_loss": 2.1})
+    flat = RollbackWatch(max_kl=0.1, value_loss_spike=2.0, warmup=1)
+    flat.observe({"critic/vf_loss": 0.0})  # no scale yet: a first non-zero loss is no spike
+    assert flat.cause({"critic/vf_loss": 0.5}) is None
     assert "non-finite critic/grad_norm" in watch.cause({"critic/grad_norm": math.inf})
     assert "actor/kl_loss 0.2 > max_kl 0.1" in watch.cause({"actor/kl_loss": 0.2})
     other = RollbackWatch(max_kl=0.1, value_loss_spike=2.0, warmup=2)

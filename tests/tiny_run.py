@@ -35,6 +35,7 @@ def tiny_overrides(tmp: Path, **extra) -> list[str]:
         "trainer.sft_warmup.batch_size": 16,
         "synthetic.num_train": 64,
         "synthetic.num_val": 16,
+        "reward.custom_reward_function.path": str(ROOT / "tests/dense_reward.py"),
     }
     overrides.update(extra)
     return [f"{k}={v}" for k, v in overrides.items()]
