@@ -108,7 +108,7 @@ def _synthetic_data(tmp: Path) -> Path:
 
 
 def test_two_processes_see_what_one_process_sees(tmp_path):
-    """Gathered prompt shards, batch placement and a rollout's slot refills: each of 2
+    """Gathered prompt shards, batch placement, collectives, host fetches: each of 2
     processes (4 devices, gloo) gets exactly the single 8-device process's arrays."""
     import multihost_check
 
@@ -128,14 +128,17 @@ def test_two_processes_see_what_one_process_sees(tmp_path):
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-3000:]
     single = multihost_check.compute(data)
-    assert int(single["devices"]) == 8
-    assert single["generate_calls"] > 4  # 16 requests through 4 slots: many refills
+    assert int(single["devices"]) == 8 and not single["rows_sharded_over_hosts"]
+    np.testing.assert_array_equal(single["roundtrip"], np.arange(96).reshape(16, 6))
     for i in range(2):
         got = dict(np.load(tmp_path / f"r.{i}.npz"))
         assert int(got.pop("process")) == i and int(got["devices"]) == 8
-        assert got.keys() == single.keys()
-        for k, v in single.items():
-            np.testing.assert_allclose(got[k], v, atol=1e-6, rtol=0, err_msg=f"{k} process {i}")
+        assert got.pop("rows_sharded_over_hosts")  # so `fetch` really gathered across hosts
+        assert json.loads(str(got.pop("objects"))) == [{"process": 0, "text": "xxx"},
+                                                       {"process": 1, "text": "xxxx"}]
+        assert got.keys() == single.keys() - {"rows_sharded_over_hosts", "objects"}
+        for k, v in got.items():
+            np.testing.assert_array_equal(v, single[k], err_msg=f"{k} process {i}")
 
 
 # --------------------------------------------------------------------- the Ray launcher, jobs

@@ -118,7 +118,6 @@ def test_offloaded_optimizer_state_trains_like_the_resident_one():
     """Two updates with opt_state in host memory between them == two without offload."""
     state, batch, step = _update_setup()
     sh = jax.tree.map(lambda x: x.sharding, state)
-    plain = jax.jit(step, in_shardings=(sh, None), out_shardings=(sh, None))
     off = offload.Offload(True, "actor_rollout_ref.actor.optimizer_offload")
 
     class Holder:
@@ -136,8 +135,9 @@ def test_offloaded_optimizer_state_trains_like_the_resident_one():
     compiled = jax.jit(step, in_shardings=(offload.device_shardings(host_sh), None),
                        out_shardings=(offload.device_shardings(host_sh), None),
                        donate_argnums=0)
+    assert offload.device_shardings(host_sh) == sh  # compiled for the resident layout
     update = offload.onloaded(compiled, off, "opt_state")
-    ref = state
+    plain, ref = compiled, state  # the same executable, fed from device memory
     for _ in range(2):
         ref, m_ref = plain(ref, batch)
         holder.actor, m = update(holder.actor, batch)
@@ -147,3 +147,33 @@ def test_offloaded_optimizer_state_trains_like_the_resident_one():
                     jax.tree.leaves(jax.device_get(holder.actor)), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
     assert float(m["actor/pg_loss"]) == pytest.approx(float(m_ref["actor/pg_loss"]), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_trainer_with_forced_offload_trains_like_without(tmp_path, monkeypatch):
+    """The trainer's wiring, on CPU's pinned_host memory kind: 2 PPO steps with the reference
+    and both optimizer states offloaded log the metrics of a run without offload, the arrays
+    sit in host memory between steps, and the checkpoint restores into host memory."""
+    from tiny_run import algorithmic, compare, tiny
+
+    from rlhf_jax.trainer import Trainer
+
+    keys = {"trainer.sft_warmup.enable": False, "trainer.test_freq": -1,
+            "algorithm.use_kl_in_reward": True}
+    off = {"actor_rollout_ref.ref.param_offload": True,
+           "actor_rollout_ref.actor.optimizer_offload": True, "critic.optimizer_offload": True}
+    plain = algorithmic(Trainer(tiny(tmp_path / "plain", **keys, **off)).run())  # CPU: no-op
+    monkeypatch.setattr(offload, "host_offload_supported", lambda devices=None: True)
+    trainer = Trainer(tiny(tmp_path / "offload", **keys, **off))
+    kinds = lambda tree: {offload.memory_kind(x) for x in jax.tree.leaves(tree)}
+    assert kinds(trainer.ref_params) == kinds(trainer.actor.opt_state) == {"pinned_host"}
+    compare(algorithmic(trainer.run()), plain, atol=1e-6, rel=1e-6)
+    assert kinds(trainer.actor.opt_state) == kinds(trainer.critic.opt_state) == {"pinned_host"}
+    assert kinds(trainer.actor.params) == {"device"}
+    resumed = Trainer(tiny(tmp_path / "offload", **keys, **off))
+    assert resumed.restore() and resumed.global_step == 2
+    resumed.checkpointer.close()
+    assert kinds(resumed.ref_params) == kinds(resumed.actor.opt_state) == {"pinned_host"}
+    for a, b in zip(jax.tree.leaves(jax.device_get(trainer.actor.opt_state)),
+                    jax.tree.leaves(jax.device_get(resumed.actor.opt_state)), strict=True):
+        np.testing.assert_array_equal(a, b)
