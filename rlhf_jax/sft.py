@@ -4,6 +4,14 @@ A synthetic task starts from a random model that no policy gradient can move (it
 never seen). The warm start trains next-token cross-entropy on `prompt -> ground_truth <eos>`
 and stops as soon as the *sampled* score on a validation batch reaches `target_score`, so PPO
 starts from a weak but non-zero policy, as a real run starts from an instruction-tuned model.
+
+With `label_smoothing` e the targets are `(1 - e) * one-hot + e * uniform` over the answer
+vocabulary (the ids that occur in the answers, EOS included): the policy learns which token is
+right (greedy decoding gets it) but samples each answer token with only ~1 - e confidence,
+so its sampled exact match stays low and PPO has to turn knowledge into reliability from the
+reward alone. Without it a policy that samples a low score has not learnt the task yet, and
+PPO must learn it from a sparse reward, which takes far more steps. The printed loss
+includes the smoothing term (its floor is the entropy of the smoothed target, not 0).
 """
 
 from __future__ import annotations
@@ -32,11 +40,28 @@ def answer_tokens(tokenizer, truths, length: int) -> tuple[np.ndarray, np.ndarra
     return ids, mask
 
 
-def _sft_step(state: ts.TrainState, seqs: ts.Sequences, *, model, tx):
+def answer_vocabulary(tokenizer, truths, vocab_size: int) -> np.ndarray:
+    """`[V]` bool: the ids that occur in the answers `truths` (their EOS included)."""
+    length = max(len(tokenizer.encode(str(t))) for t in truths) + 1
+    ids, mask = answer_tokens(tokenizer, truths, length)
+    out = np.zeros(vocab_size, bool)
+    out[np.unique(ids[mask.astype(bool)])] = True
+    return out
+
+
+def _sft_step(state: ts.TrainState, seqs: ts.Sequences, smooth_over, *, model, tx,
+              label_smoothing: float = 0.0):
     def loss_fn(params):
         logits = ts.response_logits(model, params, seqs)
-        logp = logprobs_from_logits(logits, seqs.responses)
-        return -masked_mean(logp, seqs.response_mask)
+        nll = -logprobs_from_logits(logits, seqs.responses)
+        if label_smoothing:
+            # Cross-entropy against (1 - e) * one-hot + e * uniform over the answer vocabulary
+            # `smooth_over` ([V] 0/1): the policy learns which digit is right but stays unsure,
+            # and never learns to emit tokens that no answer contains.
+            logp_v = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+            uniform = -jnp.sum(logp_v * smooth_over, -1) / jnp.sum(smooth_over)
+            nll = (1.0 - label_smoothing) * nll + label_smoothing * uniform
+        return masked_mean(nll, seqs.response_mask)
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -55,8 +80,14 @@ def warm_start(trainer) -> dict:
     tx = optax.adam(cfg.lr)
     state = ts.init_state(trainer.actor.params, tx)
     sh = jax.tree.map(lambda x: x.sharding, state)
-    step = jax.jit(functools.partial(_sft_step, model=trainer.actor_model, tx=tx),
-                   in_shardings=(sh, None), out_shardings=(sh, None), donate_argnums=0)
+    step = jax.jit(functools.partial(_sft_step, model=trainer.actor_model, tx=tx,
+                                     label_smoothing=float(cfg.label_smoothing)),
+                   in_shardings=(sh, None, None), out_shardings=(sh, None), donate_argnums=0)
+    vocab = trainer.actor_model.cfg.vocab_size
+    smooth_over = np.ones(vocab, np.float32)
+    if cfg.label_smoothing:
+        truths = [dataset[j]["ground_truth"] for j in range(len(dataset))]
+        smooth_over = answer_vocabulary(trainer.tokenizer, truths, vocab).astype(np.float32)
     eval_loader = trainer.val_loader or trainer.train_loader
     eval_batch = eval_loader.dataset.collate(
         [eval_loader.dataset[i] for i in range(min(len(eval_loader.dataset), 256))]
@@ -72,7 +103,8 @@ def warm_start(trainer) -> dict:
             np.concatenate([batch.input_ids, ans], 1),
             np.concatenate([batch.attention_mask, ans_mask], 1), ans, ans_mask,
         )
-        state, loss = step(state, batching.put(seqs, lay.mesh, lay.batch_axes, lead=0))
+        state, loss = step(state, batching.put(seqs, lay.mesh, lay.batch_axes, lead=0),
+                           smooth_over)
         if i % cfg.eval_every == 0 or i == cfg.max_steps:
             trainer.actor = trainer.actor._replace(params=state.params)
             trainer.sync_weights()

@@ -111,10 +111,25 @@ def lr_schedule(cfg: OptimConfig):
     return schedule
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    """AdamW on the schedule; clipping and the rollback scale are applied by the update."""
+def step_schedule(cfg: OptimConfig, updates_per_step: int = 1):
+    """`lr_schedule` indexed by optimizer updates when each PPO step makes `updates_per_step`.
+
+    verl steps its scheduler once per `update_actor` / `update_critic` call, so warm-up and
+    decay are counted in training steps (as `warmup_steps` and `total_steps` are) and the
+    learning rate is constant within a step: update k uses the schedule at `k // U`.
+    """
+    schedule, u = lr_schedule(cfg), max(int(updates_per_step), 1)
+    return lambda count: schedule(jnp.asarray(count) // u)
+
+
+def make_optimizer(cfg: OptimConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
+    """AdamW on the schedule; clipping and the rollback scale are applied by the update.
+
+    The optimizer state does not depend on `updates_per_step` (only the learning rate read
+    from its update count does), so `init_state` may build it with the default.
+    """
     return optax.adamw(
-        lr_schedule(cfg), b1=cfg.betas[0], b2=cfg.betas[1], eps=cfg.eps,
+        step_schedule(cfg, updates_per_step), b1=cfg.betas[0], b2=cfg.betas[1], eps=cfg.eps,
         weight_decay=cfg.weight_decay,
     )
 
@@ -288,10 +303,11 @@ def actor_update(state: TrainState, batch: ActorBatch, *, model: Model, loss: Ac
     """PPO actor update: clip + dual clip + entropy + optional KL loss -> (state, metrics)."""
     micro_loss = functools.partial(_actor_micro_loss, model=model, loss=loss)
     mbs = (batch.seqs, batch.old_log_probs, batch.advantages, batch.ref_log_probs)
+    updates = batch.token_count.shape[0]  # U optimizer updates make one training step
     state, metrics = _update(
         state, mbs, (batch.token_count, batch.seq_count), micro_loss=micro_loss,
-        tx=make_optimizer(optim), schedule=lr_schedule(optim), grad_clip=optim.grad_clip,
-        prefix="actor",
+        tx=make_optimizer(optim, updates), schedule=step_schedule(optim, updates),
+        grad_clip=optim.grad_clip, prefix="actor",
     )
     if loss.use_kl_loss:
         metrics["actor/kl_coef"] = jnp.asarray(loss.kl_loss_coef, jnp.float32)
@@ -303,8 +319,9 @@ def critic_update(state: TrainState, batch: CriticBatch, *, model: Model, loss: 
     """Clipped value-loss update of the critic. Returns (state, metrics)."""
     micro_loss = functools.partial(_critic_micro_loss, model=model, loss=loss)
     mbs = (batch.seqs, batch.values, batch.returns)
+    updates = batch.token_count.shape[0]
     return _update(
         state, mbs, (batch.token_count, batch.seq_count), micro_loss=micro_loss,
-        tx=make_optimizer(optim), schedule=lr_schedule(optim), grad_clip=optim.grad_clip,
-        prefix="critic",
+        tx=make_optimizer(optim, updates), schedule=step_schedule(optim, updates),
+        grad_clip=optim.grad_clip, prefix="critic",
     )

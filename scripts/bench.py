@@ -1,8 +1,18 @@
-"""Benchmarks: `python scripts/bench.py [rollout|ppo|...|all]` prints one JSON object.
+"""Benchmarks: `python scripts/bench.py [ppo|mfu|reshard|gae|decode|memory|all]` prints one JSON.
 
 Each name is a module `rlhf_jax/benchmarks/<name>.py` with `run() -> dict` of flat
-`"<name>.<metric>"` figures; `all` runs every such module. The object also holds the
-versions, the devices and the peak RSS of the run.
+`"<name>.<metric>"` figures; `all` (the default) runs every such module. Every headline
+figure is a ratio to a reference measured in the same run, on the same machine:
+
+- `ppo.tokens_per_s`, `ppo.flop_bound_ratio` (iteration FLOPs over measured matmul peak x
+  seconds), `ppo.stage.<stage>` seconds: one PPO iteration of WORKLOAD.md, (1,1,1) mesh.
+- `mfu.ratio`: train-step model FLOP/s over the measured f32 matmul peak.
+- `reshard.ratio_to_copy`: train -> generate layout seconds over a copy of the same bytes.
+- `gae.speedup`: verl's NumPy GAE loop seconds over the compiled GAE's.
+- `decode.ratio_to_bound`: KV-cache decode tokens/s over reading params + cache once a step.
+- `memory.ratio_to_ideal`: per-device training-state bytes over total / (fsdp x tensor).
+
+The object also holds `<name>.wall_seconds`, the versions, the devices and the peak RSS.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from rlhf_jax.benchmarks import gae, memory, mfu, ppo
+from rlhf_jax.benchmarks import decode, gae, memory, mfu, ppo, reshard
 
 
 def _finite(out: dict, prefix: str):
@@ -54,3 +54,30 @@ def test_memory_small():
     assert out["memory.opt_state_ratio_to_ideal"] == pytest.approx(1.0, abs=0.1)
     assert out["memory.ratio_to_ideal"] == pytest.approx(1.0, abs=0.1)
     assert out["memory.opt_state_replicated_ratio_to_ideal"] > 3  # what init_state avoids
+
+
+def test_decode_small():
+    out = decode.run(small=True)
+    _finite(out, "decode.")
+    assert out["decode.tokens_per_s"] > 0 and out["decode.ratio_to_bound"] > 0
+    assert out["decode.copy_bytes"] == out["decode.param_bytes"] + out["decode.cache_bytes"]
+
+
+def test_reshard_small():
+    out = reshard.run(small=True)
+    _finite(out, "reshard.")
+    assert out["reshard.mesh"] == "2x2x2" and out["reshard.ratio_to_copy"] > 0
+    # the generate layout holds each parameter twice per fsdp pair: twice the train bytes
+    assert out["reshard.bytes_written"] > 2 * out["reshard.param_bytes"]
+
+
+def test_bench_script_lists_every_benchmark():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "bench.py"
+    spec = importlib.util.spec_from_file_location("bench_script", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.available() == ["decode", "gae", "memory", "mfu", "ppo", "reshard"]
+    assert bench.main(["nope"]) == 2

@@ -148,7 +148,7 @@ def test_prefill_insert_generate_follow_the_full_forward(setup):
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
     prefix, first = engine.prefill(params=params, padded_tokens=tokens, true_length=[3, 6])
-    assert prefix.cache.k.shape[2] == 8  # padded to the bucket
+    assert prefix.cache.k.shape[3] == 8  # padded to the bucket ([L, b, K, T, H])
     want = [_argmax_continuation(model, params, p, 5) for p in prompts]
     np.testing.assert_array_equal(np.asarray(first.tokens)[:, 0], [w[0][0] for w in want])
     state = engine.init_decode_state()
@@ -168,7 +168,7 @@ def test_prefill_insert_generate_follow_the_full_forward(setup):
 
     # The decode state lives on the generate layout: slots over (data, fsdp), kv heads over
     # tensor; parameters are replicated over fsdp.
-    assert state.cache.k.sharding.spec == P(None, ("data", "fsdp"), None, "tensor")
+    assert state.cache.k.sharding.spec == P(None, ("data", "fsdp"), "tensor")
     assert state.tokens.sharding.spec == P(("data", "fsdp"))
     kernel = params["model"]["layers"]["mlp"]["gate_proj"]["kernel"]
     assert kernel.sharding.spec == P(None, None, "tensor")
@@ -184,7 +184,7 @@ def test_existing_prefix_continues_the_prompt(setup):
                                padded_tokens=[[16, 23, 0, 0]], true_length=2)
     assert int(both.true_length[0]) == 5
     assert int(res.tokens[0, 0]) == int(whole.tokens[0, 0])
-    np.testing.assert_allclose(both.cache.k[:, :, :5], whole.cache.k[:, :, :5], atol=1e-5)
+    np.testing.assert_allclose(both.cache.k[:, :, :, :5], whole.cache.k[:, :, :, :5], atol=1e-5)
 
 
 def test_engine_properties_buckets_and_errors(setup):
@@ -201,4 +201,4 @@ def test_engine_properties_buckets_and_errors(setup):
         Engine(engine.model, engine.mesh, engine.rules, max_prefill_length=8,
                prefill_buckets=(4, 16))
     sh = engine.get_prefix_destination_sharding()
-    assert sh.cache.k.spec == P(None, None, None, "tensor")  # one prompt: batch replicated
+    assert sh.cache.k.spec == P(None, None, "tensor")  # one prompt: batch replicated

@@ -146,6 +146,36 @@ def test_update_compiles_once():
         state, _ = step(state, ts.ActorBatch(s, ex["old"], ex["adv"], ex["ref"], tok, sq))
 
 
+@pytest.mark.parametrize("kind", ["actor", "critic"])
+def test_lr_schedule_advances_once_per_training_step(kind):
+    """verl steps its scheduler once per update_actor / update_critic call: warm-up and decay
+    count training steps, not the U optimizer updates (epochs x mini-batches) inside one."""
+    spec = load_mesh_spec("single")
+    mesh = make_mesh(spec)
+    model = Model(CFG, kind="lm" if kind == "actor" else "value")
+    params = model.init(jax.random.key(0), mesh, spec.train_rules)
+    optim = ts.OptimConfig(lr=1e-2, weight_decay=0.0, warmup_steps=2)  # in training steps
+    state = ts.init_state(params, ts.make_optimizer(optim))
+    plan = batching.Plan(N, mini_batch=8, micro_batch=8, epochs=2)  # U = 4 updates a step
+    (s, ex), tok, sq = _arrange(plan, *_rollout(), mesh, ("data", "fsdp"))
+    if kind == "actor":
+        batch = ts.ActorBatch(s, ex["old"], ex["adv"], ex["ref"], tok, sq)
+        step = functools.partial(ts.actor_update, model=model, optim=optim, loss=ts.ActorLoss())
+    else:
+        batch = ts.CriticBatch(s, ex["values"], ex["returns"], tok, sq)
+        step = functools.partial(ts.critic_update, model=model, optim=optim,
+                                 loss=ts.CriticLoss(0.2))
+    step = jax.jit(step)
+    state, m1 = step(state, batch)  # training step 0 of the warm-up: lr 0 for all 4 updates
+    assert int(state.step) == 4 and float(m1[f"{kind}/lr"]) == 0.0
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    state, m2 = step(state, batch)  # training step 1: lr / 2 for all 4 updates
+    assert float(m2[f"{kind}/lr"]) == pytest.approx(0.5 * optim.lr)
+    state, m3 = step(state, batch)  # warmed up
+    assert float(m3[f"{kind}/lr"]) == pytest.approx(optim.lr)
+
+
 def test_lr_schedules():
     const = ts.lr_schedule(ts.OptimConfig(lr=1.0, warmup_steps=4))
     assert [float(const(s)) for s in (0, 2, 4, 10)] == [0.0, 0.5, 1.0, 1.0]

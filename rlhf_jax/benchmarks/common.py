@@ -2,6 +2,7 @@
 
     t = timed(lambda: step(x), warmup=2, repeats=5)   # blocks on the result every time
     t.median, t.min, t.times
+    a, b = interleaved({"a": f, "b": g}, repeats=5)  # a figure and its reference, in turns
 
 The workload of `/work/shared/bench/WORKLOAD.md` (model and prompts) lives here too, so that
 every benchmark measures the same thing.
@@ -67,6 +68,23 @@ def timed(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5,
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return Timing(tuple(times))
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 1,
+                repeats: int = 5) -> list[Timing]:
+    """Times several functions in turns (f, g, f, g, ...), blocking on each result.
+
+    A figure and its reference measured this way see the same load of a shared machine,
+    which back-to-back runs of `timed` do not. Returns one `Timing` per function, in order.
+    """
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(warmup + repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            block(fn())
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return [Timing(tuple(times[k])) for k in fns]
 
 
 def peak_rss_mb() -> float:

@@ -77,6 +77,7 @@ _RULES = (
     ("trainer.rollback.value_loss_spike", _rule(lambda v: v > 1, "must be > 1")),
     ("trainer.rollback.lr_factor", _rule(lambda v: 0 < v <= 1, "must be in (0, 1]")),
     ("trainer.sft_warmup.lr", _GT0),
+    ("trainer.sft_warmup.label_smoothing", _rule(lambda v: 0 <= v < 1, "must be in [0, 1)")),
     *[(f"{o}.{k}", r) for o in _OPTIMS for k, r in (
         ("lr", _GE0), ("weight_decay", _GE0), ("eps", _GT0), ("lr_warmup_steps_ratio", _UNIT),
         ("min_lr_ratio", _UNIT), ("lr_warmup_steps", _rule(lambda v: v >= -1, "must be >= -1")),

@@ -257,6 +257,8 @@ class SftWarmupConfig(Section):
     lr: float = 1e-3
     batch_size: int = 64
     eval_every: int = 25
+    # e: targets (1 - e) * one-hot + e * uniform over the answer vocabulary (see sft.py)
+    label_smoothing: float = 0.0
 
 
 @_section

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 
 from rlhf_jax.core_algos.masked import _as_mask, masked_whiten
 
-
 # Time steps per block of `_reverse_scan_time`: a [batch, 128] float32 block of 512 rows is
 # 256 KiB, so a block's inputs and outputs stay in the CPU's L2 cache while it is scanned.
 TIME_BLOCK = 128

@@ -21,7 +21,7 @@ from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.models.transformer import CausalLM, KVCache, ValueModel
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-CACHE_AXES = ("layers", "cache_batch", "cache_length", "cache_heads", "head_dim")
+CACHE_AXES = ("layers", "cache_batch", "cache_heads", "cache_length", "head_dim")
 
 
 def positions_from_mask(attention_mask_bt):
@@ -108,9 +108,9 @@ class Model:
         return out
 
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> KVCache:
-        """Zeros of shape [L, B, S, K, H] in the compute dtype."""
+        """Zeros of shape [L, B, K, S, H] in the compute dtype."""
         c = self.cfg
-        shape = (c.num_hidden_layers, batch, length, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_hidden_layers, batch, c.num_key_value_heads, length, c.head_dim)
         dt = DTYPES[self.dtype] if dtype is None else dtype
         return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
 
@@ -129,7 +129,7 @@ class Model:
           (logits [B, T, V] float32, the updated cache).
         """
         assert self.kind == "lm", "decode needs a causal LM"
-        mask_bts = cache_mask(write_index_b, input_ids_bt.shape[1], cache.k.shape[2], kv_mask_bs)
+        mask_bts = cache_mask(write_index_b, input_ids_bt.shape[1], cache.k.shape[3], kv_mask_bs)
         with self._layout():
             return self.module.apply(
                 {"params": params}, input_ids_bt, positions_bt, mask_bts, cache, write_index_b

@@ -8,6 +8,8 @@ D model width, N query heads, K kv heads, G = N / K, H head dim, F mlp width, V 
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -21,10 +23,60 @@ _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: `k`, `v` of shape [L, B, S, K, H]."""
+    """Keys and values of every layer: `k`, `v` of shape [L, B, K, S, H].
+
+    Heads before positions, so that a layer's [B, K, S, H] block is what the attention
+    contractions read (batch dims B, K leading), with no transpose of the cache per step.
+    """
 
     k: jax.Array
     v: jax.Array
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul(x, w, nk: int, precision=None):
+    """`x [..., K...] @ w [K..., N...]`: x's last `nk` dims against w's first `nk`."""
+    return jax.lax.dot_general(
+        x, w, ((tuple(range(x.ndim - nk, x.ndim)), tuple(range(nk))), ((), ())),
+        precision=precision)
+
+
+def _matmul_fwd(x, w, nk, precision):
+    return _matmul(x, w, nk, precision), (x, w)
+
+
+def _matmul_bwd(nk, precision, res, dy):
+    x, w = res
+    nn_ = w.ndim - nk
+    dx = jax.lax.dot_general(
+        dy, w, ((tuple(range(dy.ndim - nn_, dy.ndim)), tuple(range(nk, w.ndim))), ((), ())),
+        precision=precision)
+    # The weight gradient as one [M, K] x [M, N] -> [K, N] product over the flattened
+    # tokens M: left to autodiff (a contraction over the batch and length dims), XLA on CPU
+    # transposes the output cotangent to [N, M] first, inside the fusion that produces it,
+    # a strided loop that costs as much as the matmuls of the layer.
+    x2 = x.reshape(-1, math.prod(w.shape[:nk]))
+    dy2 = dy.reshape(-1, math.prod(w.shape[nk:]))
+    dw = jax.lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())), precision=precision)
+    return dx.astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def dense_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                      preferred_element_type=None):
+    """`lax.dot_general` for `nn.Dense` / `nn.DenseGeneral` layers: the same product, with a
+    hand-written backward (`_matmul`) when it contracts the inputs' trailing dims with the
+    kernel's leading ones (every projection here); anything else goes to `lax.dot_general`."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    nk = len(lc)
+    if (lb or rb or preferred_element_type is not None
+            or tuple(lc) != tuple(range(lhs.ndim - nk, lhs.ndim))
+            or tuple(rc) != tuple(range(nk))):
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type)
+    return _matmul(lhs, rhs, nk, precision)
 
 
 def _dense_init(names):
@@ -62,11 +114,18 @@ def rope(x_bthd, positions_bt, theta: float):
     return (xf * cos + rotated * sin).astype(x_bthd.dtype)
 
 
-def _write(cache_bskh, new_btkh, write_index_b):
-    """Writes T new rows per batch element at its own offset."""
-    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (i, 0, 0)))(
-        cache_bskh, new_btkh.astype(cache_bskh.dtype), write_index_b
-    )
+def _write(cache_lbksh, new_btkh, layer, write_index_b):
+    """Writes layer `layer`'s T new keys (or values) of each batch row at its own offset.
+
+    The whole [L, B, K, S, H] cache goes in and out (a loop carry) and one scatter writes
+    only the new rows, in place, in the cache's own layout.
+    """
+    b, t = new_btkh.shape[:2]
+    rows_b1 = jnp.arange(b)[:, None]
+    positions_bt = write_index_b[:, None] + jnp.arange(t)[None]
+    # advanced indices (layer, rows, positions) around a slice: the update is [B, T, K, H]
+    return cache_lbksh.at[layer, rows_b1, :, positions_bt].set(
+        new_btkh.astype(cache_lbksh.dtype), mode="drop")
 
 
 class Embed(nn.Module):
@@ -98,14 +157,17 @@ class Attention(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_btd, positions_bt, mask_bts, cache=None, write_index=None):
+    def __call__(self, x_btd, positions_bt, mask_bts, cache=None, write_index=None,
+                 layer=None):
+        """Self-attention; with `cache` (the full (k, v) [L, B, K, S, H] pair) it writes this
+        layer's new keys and values at `write_index` and attends over the cache."""
         cfg = self.cfg
         n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
 
         def proj(name, heads, head_axis):
             return nn.DenseGeneral(
                 (heads, h), use_bias=cfg.attention_bias, dtype=self.dtype,
-                param_dtype=self.param_dtype, name=name,
+                param_dtype=self.param_dtype, name=name, dot_general=dense_dot_general,
                 kernel_init=_dense_init(("embed", head_axis, "head_dim")),
                 bias_init=nn.with_logical_partitioning(
                     nn.initializers.zeros, (head_axis, "head_dim")
@@ -117,29 +179,69 @@ class Attention(nn.Module):
         v_btkh = proj("v_proj", k, "kv_heads")
         q_btnh = constrain(q_btnh, ("batch", "act_length", "act_heads", None))
 
-        if cache is not None:
-            k_bskh = _write(cache[0], k_btkh, write_index)
-            v_bskh = _write(cache[1], v_btkh, write_index)
-            new_cache = (k_bskh, v_bskh)
-        else:
-            k_bskh, v_bskh, new_cache = k_btkh, v_btkh, None
-
         b, t = q_btnh.shape[:2]
         q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
-        scores = jnp.einsum(
-            "BTKGH,BSKH->BKGTS", q_btkgh, k_bskh.astype(self.dtype),
-            preferred_element_type=jnp.float32,
-        ) * (h**-0.5)
+        if cache is None:
+            new_cache, k_bskh, v_bskh = None, k_btkh, v_btkh
+        else:
+            new_cache = (_write(cache[0], k_btkh, layer, write_index),
+                         _write(cache[1], v_btkh, layer, write_index))
+        if cache is not None and t == 1:
+            # One new token: products and sums over this layer's cache block, which XLA fuses
+            # with the read of the block out of the [L, B, K, S, H] cache (a contraction
+            # would first copy the block out, at every step and layer).
+            q_bkgh = q_btkgh[:, 0]
+            k_bksh, v_bksh = (c[layer] for c in new_cache)
+            scores = jnp.sum(q_bkgh[:, :, :, None].astype(jnp.float32)
+                             * k_bksh[:, :, None].astype(jnp.float32), axis=-1)[:, :, :, None]
+        elif cache is not None:
+            k_bksh, v_bksh = (c[layer].astype(self.dtype) for c in new_cache)
+            scores = jnp.einsum("BTKGH,BKSH->BKGTS", q_btkgh, k_bksh,
+                                preferred_element_type=jnp.float32)
+        else:
+            scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_bskh.astype(self.dtype),
+                                preferred_element_type=jnp.float32)
+        scores = scores * (h**-0.5)
         scores = jnp.where(mask_bts[:, None, None], scores, _NEG)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_bskh.astype(self.dtype))
+        if cache is not None and t == 1:
+            out_bkgh = jnp.sum(probs[:, :, :, 0, :, None].astype(jnp.float32)
+                               * v_bksh[:, :, None].astype(jnp.float32), axis=3)
+            out_btkgh = out_bkgh[:, None].astype(self.dtype)
+        elif cache is not None:
+            out_btkgh = jnp.einsum("BKGTS,BKSH->BTKGH", probs, v_bksh)
+        else:
+            out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_bskh.astype(self.dtype))
         out_btnh = out_btkgh.reshape(b, t, n, h)
         out_btd = nn.DenseGeneral(
             cfg.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype,
-            param_dtype=self.param_dtype, name="o_proj",
+            param_dtype=self.param_dtype, name="o_proj", dot_general=dense_dot_general,
             kernel_init=_dense_init(("heads", "head_dim", "embed")),
         )(out_btnh)
         return out_btd, new_cache
+
+
+@jax.custom_vjp
+def gated_silu(gate, up):
+    """`silu(gate) * up`, the SwiGLU activation, with a hand-written backward that keeps only
+    `gate` and `up` for the backward pass and recomputes the sigmoid there (autodiff would
+    also keep the sigmoid and the product: per layer, two more activation-sized arrays
+    written by the forward scan and read back by the backward one)."""
+    return nn.silu(gate) * up
+
+
+def _gated_silu_fwd(gate, up):
+    return gated_silu(gate, up), (gate, up)
+
+
+def _gated_silu_bwd(res, d_out):
+    gate, up = res
+    sig = jax.nn.sigmoid(gate)
+    d_gate = d_out * up * sig * (1 + gate * (1 - sig))
+    return d_gate, d_out * (gate * sig)
+
+
+gated_silu.defvjp(_gated_silu_fwd, _gated_silu_bwd)
 
 
 class MLP(nn.Module):
@@ -152,13 +254,13 @@ class MLP(nn.Module):
         def dense(name, features, names):
             return nn.Dense(
                 features, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-                kernel_init=_dense_init(names), name=name,
+                kernel_init=_dense_init(names), name=name, dot_general=dense_dot_general,
             )
 
         f = self.cfg.intermediate_size
         gate_btf = dense("gate_proj", f, ("embed", "mlp"))(x_btd)
         up_btf = dense("up_proj", f, ("embed", "mlp"))(x_btd)
-        act_btf = constrain(nn.silu(gate_btf) * up_btf, ("batch", "act_length", "act_mlp"))
+        act_btf = constrain(gated_silu(gate_btf, up_btf), ("batch", "act_length", "act_mlp"))
         return dense("down_proj", self.cfg.hidden_size, ("mlp", "embed"))(act_btf)
 
 
@@ -168,18 +270,21 @@ class DecoderLayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_btd, positions_bt, mask_bts, write_index, cache):
+    def __call__(self, carry, positions_bt, mask_bts, write_index, layer):
+        """One layer of the scan: `carry` is (x [B, T, D], the full cache or None); `layer`
+        is this layer's index into the cache (None without a cache)."""
+        x_btd, cache = carry
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         eps = self.cfg.rms_norm_eps
         h = RMSNorm(eps, name="input_layernorm", **kw)(x_btd)
         attn, new_cache = Attention(self.cfg, name="self_attn", **kw)(
-            h, positions_bt, mask_bts, cache, write_index
+            h, positions_bt, mask_bts, cache, write_index, layer
         )
         x_btd = x_btd + attn
         h = RMSNorm(eps, name="post_attention_layernorm", **kw)(x_btd)
         x_btd = x_btd + MLP(self.cfg, name="mlp", **kw)(h)
         x_btd = constrain(x_btd, ("batch", "act_length", "act_embed"))
-        return x_btd, new_cache
+        return (x_btd, new_cache), None
 
 
 class Backbone(nn.Module):
@@ -209,8 +314,12 @@ class Backbone(nn.Module):
 
     def __call__(self, input_ids_bt, positions_bt, mask_bts, cache=None, write_index=None):
         x_btd = constrain(self.embed_tokens(input_ids_bt), ("batch", "act_length", "act_embed"))
-        layer_cache = None if cache is None else (cache.k, cache.v)
-        x_btd, new = self.layers(x_btd, positions_bt, mask_bts, write_index, layer_cache)
+        # The cache rides in the scan's carry, whole, with each layer's index as the scanned
+        # input: scanning over it as xs / ys would copy every layer's block out and back in
+        # at every step.
+        kv = None if cache is None else (cache.k, cache.v)
+        layers = None if cache is None else jnp.arange(self.cfg.num_hidden_layers)
+        (x_btd, new), _ = self.layers((x_btd, kv), positions_bt, mask_bts, write_index, layers)
         new_cache = None if cache is None else KVCache(*new)
         return self.norm(x_btd), new_cache
 
@@ -232,6 +341,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Dense(
                 self.cfg.vocab_size, use_bias=False, dtype=self.dtype,
                 param_dtype=self.param_dtype, kernel_init=_dense_init(("embed", "vocab")),
+                dot_general=dense_dot_general,
             )
 
     def __call__(self, input_ids_bt, positions_bt, mask_bts, cache=None, write_index=None):

@@ -12,7 +12,8 @@ of the decode state live on the mesh's generate layout (slots over `cache_batch`
     state, out = engine.generate_steps(p, state, 8)   # 8 tokens for every slot, one dispatch
 
 Shapes: L layers, S slots, C cache length (max_prefill_length + max_decode_length), T prefill
-bucket, R max_decode_length, V vocabulary, K kv heads, H head dim.
+bucket, R max_decode_length, V vocabulary, K kv heads, H head dim; the KV cache is
+[L, S, K, C, H].
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Prefix:
     `(rng, request id, 0)` and `done` says whether it already ends the response.
     """
 
-    cache: KVCache  # [L, b, T, K, H]
+    cache: KVCache  # [L, b, K, T, H]
     true_length: Any  # [b] int32 tokens in the cache
     request_id: Any  # [b] int32 request of sample 0
     tokens: Any  # [b, m] int32 first response token
@@ -103,7 +104,7 @@ class DecodeState:
     An empty or finished slot has `done` set and is left untouched by `generate`.
     """
 
-    cache: KVCache  # [L, S, C, K, H]
+    cache: KVCache  # [L, S, K, C, H]
     tokens: Any  # [S] int32
     write_index: Any  # [S] int32
     generated: Any  # [S] int32
@@ -216,7 +217,7 @@ class Engine:
 
     def _prefix_shardings(self, b: int, t: int, m: int = 1) -> Prefix:
         c = self.model.cfg
-        cache_shape = (c.num_hidden_layers, b, t, c.num_key_value_heads, c.head_dim)
+        cache_shape = (c.num_hidden_layers, b, c.num_key_value_heads, t, c.head_dim)
         cache = self._sharding(CACHE_AXES, cache_shape)
         row = self._sharding(("cache_batch",), (b,))
         bm = self._sharding(("cache_batch", None), (b, m))
@@ -228,7 +229,7 @@ class Engine:
 
     def decode_state_shardings(self) -> DecodeState:
         c, s, r = self.model.cfg, self._slots, self.max_decode_length
-        cache_shape = (c.num_hidden_layers, s, self.cache_length, c.num_key_value_heads,
+        cache_shape = (c.num_hidden_layers, s, c.num_key_value_heads, self.cache_length,
                        c.head_dim)
         cache = self._sharding(CACHE_AXES, cache_shape)
         row = self._sharding(("cache_batch",), (s,))
@@ -361,7 +362,7 @@ class Engine:
             tokens = tokens[None]
         b, t = tokens.shape
         lengths = np.broadcast_to(np.asarray(true_length, np.int32), (b,)).copy()
-        t0 = 0 if existing_prefix is None else existing_prefix.cache.k.shape[2]
+        t0 = 0 if existing_prefix is None else existing_prefix.cache.k.shape[3]
         if existing_prefix is None and t > self._max_prefill:
             raise DataError(f"prefill of {t} tokens exceeds max_prefill_length "
                             f"{self._max_prefill}")
@@ -394,7 +395,7 @@ class Engine:
             if existing is None:
                 cache, start_b = zeros, jnp.zeros((b,), jnp.int32)
             else:
-                cache = KVCache(*(jnp.concatenate([old, new], axis=2)
+                cache = KVCache(*(jnp.concatenate([old, new], axis=3)
                                   for old, new in zip(existing.cache, zeros, strict=True)))
                 start_b = existing.true_length
             positions_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
@@ -453,7 +454,7 @@ class Engine:
         One compile per prefix shape: the slot list is padded to `max_concurrent_decodes`.
         """
         k = len(slots)
-        b, t = prefix.cache.k.shape[1], prefix.cache.k.shape[2]
+        b, t = prefix.cache.k.shape[1], prefix.cache.k.shape[3]
         m = prefix.tokens.shape[1]
         if k > self._slots:
             raise ConfigError(f"bulk_insert of {k} slots into {self._slots}")
@@ -482,7 +483,7 @@ class Engine:
                 return put(x, jnp.where(first_kr, v_k[:, None], fill).astype(x.dtype))
 
             cache = KVCache(*(
-                c.at[:, slots_k, :t].set(p[:, rows_k], mode="drop")
+                c.at[:, slots_k, :, :t].set(p[:, rows_k], mode="drop")
                 for c, p in zip(state.cache, prefix.cache, strict=True)
             ))
             return dataclasses.replace(
