@@ -37,6 +37,7 @@ def _resumed_steps(stdout: str) -> list[int]:
             if line.startswith("resumed from ")]
 
 
+@pytest.mark.slow  # four training processes: ~3 minutes on 2 cores
 def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path):
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
     for d in (ref_dir, cut_dir):
