@@ -1,4 +1,4 @@
-"""Benchmarks: `python scripts/bench.py [ppo|mfu|reshard|gae|decode|memory|rollout|all]` prints one JSON.
+"""Benchmarks: `python scripts/bench.py [ppo|mfu|reshard|gae|decode|memory|rollout|all]`.
 
 Each name is a module `rlhf_jax/benchmarks/<name>.py` with `run() -> dict` of flat
 `"<name>.<metric>"` figures; `all` (the default) runs every such module. Every headline
