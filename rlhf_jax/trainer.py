@@ -20,6 +20,7 @@ from rlhf_jax.checkpoint import Checkpointer, CheckpointError
 from rlhf_jax.config import to_dict, to_yaml, validate_batch_arithmetic
 from rlhf_jax.core_algos import KLControllerState, get_kl_controller
 from rlhf_jax.data import PromptDataset, PromptLoader
+from rlhf_jax.errors import ConfigError
 from rlhf_jax.metrics import Timer, data_metrics, peak_flops_per_device, train_flops
 from rlhf_jax.rewards import load_custom_reward_fn, score_batch
 from rlhf_jax.rollback import RollbackLimit, RollbackWatch
@@ -72,6 +73,9 @@ class Trainer:
         self.cfg = cfg
         self.layouts = roles.build_mesh(cfg)
         validate_batch_arithmetic(cfg, self.layouts.dp)
+        if cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_penalty == "full":
+            raise ConfigError("algorithm.kl_penalty: 'full' needs both policies' logits, which "
+                              "the KL in the reward does not keep; use kl, abs, mse or low_var_kl")
         self.run_dir = Path(cfg.trainer.default_local_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))

@@ -98,6 +98,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         "micro": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_device=4",
                   "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
         "do not split into mini-batches of 5": ["actor_rollout_ref.actor.ppo_mini_batch_size=5"],
+        "'full' needs both policies' logits": ["algorithm.kl_penalty=full"],
     }
     config = ["--config", str(ROOT / "configs/ppo_tiny_cpu.yaml")]
     # One case as a real process (exit status, nothing but the line on stderr) ...
