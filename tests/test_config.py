@@ -183,9 +183,9 @@ def test_float_coercion():
     assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6
     assert type(cfg.algorithm.gamma) is float and cfg.algorithm.gamma == 1.0
     assert cfg.critic.optim.eps == 1e-5
-    tiny = load_config(TINY)  # `lr: 3e-4` in the file is a string to PyYAML
+    tiny = load_config(TINY)  # `lr: 5e-4` in the file is a string to PyYAML
     assert type(tiny.actor_rollout_ref.actor.optim.lr) is float
-    assert tiny.actor_rollout_ref.actor.optim.lr == 3e-4
+    assert tiny.actor_rollout_ref.actor.optim.lr == 5e-4
 
 
 def test_mesh_string_dict_and_sizes(tmp_path):
