@@ -20,6 +20,19 @@ def test_problem_text():
     assert addition.problem(10, 10) == ("1 0 + 1 0 =", "2 0")
 
 
+def test_warm_start_smooths_over_the_answer_vocabulary(tmp_path):
+    from rlhf_jax.sft import answer_vocabulary
+
+    addition.make_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    truths = [addition.problem(a, b)[1] for a, b in ((47, 85), (10, 10), (99, 99))]
+    vocab = answer_vocabulary(tok, truths, 16)  # the model's vocabulary is padded to 16
+    digits = {tok.encode(d)[0] for d in "0123456789"}
+    # 1 3 2, 2 0, 1 9 8 and EOS: never <pad>, <bos>, +, = or the padding id 15.
+    assert set(vocab.nonzero()[0]) == {tok.encode(d)[0] for d in "012389"} | {2}
+    assert set(vocab.nonzero()[0]) <= digits | set(tok.eos_token_ids)
+
+
 def test_tokenizer_loads_in_ours_and_hf(tmp_path):
     transformers = pytest.importorskip("transformers")
     addition.make_tokenizer(tmp_path)
