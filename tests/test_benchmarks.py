@@ -79,5 +79,5 @@ def test_bench_script_lists_every_benchmark():
     spec = importlib.util.spec_from_file_location("bench_script", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.available() == ["decode", "gae", "memory", "mfu", "ppo", "reshard"]
+    assert bench.available() == ["decode", "gae", "memory", "mfu", "ppo", "reshard", "rollout"]
     assert bench.main(["nope"]) == 2
