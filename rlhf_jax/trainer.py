@@ -14,29 +14,20 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from rlhf_jax import batching, distributed, offload, ppo, roles, sft
+from rlhf_jax import batching, distributed, offload, ppo, roles, sft, tasks
 from rlhf_jax import train_steps as ts
-from rlhf_jax.checkpoint import Checkpointer, CheckpointError
+from rlhf_jax.checkpoint import Checkpointer
 from rlhf_jax.config import to_dict, to_yaml, validate_batch_arithmetic
-from rlhf_jax.core_algos import KLControllerState, get_kl_controller
+from rlhf_jax.core_algos import get_kl_controller
 from rlhf_jax.data import PromptDataset, PromptLoader
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.metrics import Timer, data_metrics, peak_flops_per_device, train_flops
+from rlhf_jax.recovery import Recovery
 from rlhf_jax.rewards import load_custom_reward_fn, score_batch
-from rlhf_jax.rollback import RollbackLimit, RollbackWatch
+from rlhf_jax.rollback import RollbackWatch
 from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, reshard
 from rlhf_jax.tokenizer import load_tokenizer
 from rlhf_jax.trackers import make_trackers
-
-# The architecture a synthetic task's random-init model gets (HF config.json fields).
-SYNTHETIC_MODELS = {
-    "addition": dict(
-        model_type="qwen2", vocab_size=16, hidden_size=64, intermediate_size=176,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )
-}
 
 
 @dataclasses.dataclass
@@ -59,7 +50,7 @@ class Rollout:
         return np.concatenate([self.prompt_mask, self.response_mask], axis=1)
 
 
-class Trainer:
+class Trainer(Recovery):
     """Holds the roles, data and trackers of one run; `run()` trains to the end."""
 
     # Host offload (`ref.param_offload`, `actor.optimizer_offload`, `critic.optimizer_offload`):
@@ -111,20 +102,9 @@ class Trainer:
         # their own identical copy (same seed), never while another process is writing.
         for turn in (0, 1):
             if (jax.process_index() == 0) == (turn == 0):
-                self._write_synthetic()
+                tasks.prepare(self.cfg)
+                tasks.prepare_model(self.cfg)
             distributed.barrier(f"rlhf_jax-synthetic-{turn}")
-
-    def _write_synthetic(self):
-        task = self.cfg.synthetic.task
-        from rlhf_jax.tasks import addition
-
-        addition.prepare(self.cfg)
-        path = Path(self.cfg.actor_rollout_ref.model.path)
-        if not (path / "config.json").is_file():
-            import json
-
-            (path / "config.json").write_text(json.dumps(SYNTHETIC_MODELS[task], indent=2))
-        roles.ensure_model_weights(path, SYNTHETIC_MODELS[task], self.cfg.synthetic.seed)
 
     def _build_data(self):
         d = self.cfg.data
@@ -422,90 +402,6 @@ class Trainer:
     def log(self, metrics: dict) -> None:
         for tracker in self.trackers:
             tracker.log(metrics, self.global_step)
-
-    # ------------------------------------------------------------------ checkpoints, rollback
-
-    def _ckpt_state(self) -> dict:
-        """Every array a run's future depends on (the rest goes in `_ckpt_meta`)."""
-        state = {"actor": self.actor}
-        if self.critic is not None:
-            state["critic"] = self.critic
-        if self.ref_params is not None:
-            state["ref"] = self.ref_params
-        return state
-
-    def _ckpt_meta(self) -> dict:
-        return {
-            "good": True, "step": self.global_step, "epoch": self.train_loader.epoch,
-            "loader": self.train_loader.get_state(),
-            "kl_coef": float(self.kl_state.kl_coef), "watch": self.watch.state(),
-            "recent_scores": self.recent_scores, "config": to_dict(self.cfg),
-        }
-
-    def save(self) -> None:
-        """Starts an asynchronous checkpoint of this step (`checkpoints/<step>`)."""
-        self.checkpointer.save(self.global_step, self._ckpt_state(), self._ckpt_meta(),
-                               force=True)
-
-    def _load(self, step: int, state: dict, meta: dict) -> None:
-        self.actor = state["actor"]
-        self.critic = state.get("critic", self.critic)
-        self.ref_params = state.get("ref", self.ref_params)
-        self.global_step = step
-        self.train_loader.set_state(meta["loader"])
-        self.kl_state = KLControllerState(jax.numpy.asarray(meta["kl_coef"], jax.numpy.float32))
-        self.watch.load(meta["watch"])
-        self.recent_scores = list(meta["recent_scores"])
-        self.sync_weights()
-
-    def restore(self) -> bool:
-        """`trainer.resume_mode`: continue from a checkpoint; False when starting afresh."""
-        t = self.cfg.trainer
-        if t.resume_mode == "disable":
-            return False
-        target = self._ckpt_state()
-        if t.resume_mode == "resume_path":
-            path = Path(t.resume_from_path)
-            if not path.name.isdigit():
-                raise CheckpointError(f"trainer.resume_from_path: {path} is not a checkpoint "
-                                      "step folder (<run>/checkpoints/<step>)")
-            with Checkpointer(path.parent) as source:
-                got = source.restore(int(path.name), target_state=target)
-            origin = str(path)
-        else:
-            got = self.checkpointer.restore_latest_good(target_state=target)
-            if got is None:
-                return False
-            origin = str(self.checkpointer.directory / str(got.step))
-        self._load(got.step, got.state, got.meta)
-        print(f"resumed from {origin} at step {got.step} (epoch {self.train_loader.epoch})",
-              flush=True)
-        self.log({"event": "training/resumed", "from_step": got.step, "path": origin})
-        return True
-
-    def roll_back(self, cause: str) -> None:
-        """Restores the latest good checkpoint and scales both learning rates by lr_factor."""
-        rb = self.cfg.trainer.rollback
-        self.rollbacks += 1
-        failed = self.global_step
-        if self.rollbacks > rb.max_rollbacks:
-            raise RollbackLimit(f"step {failed}: {cause}; stopping after "
-                                f"trainer.rollback.max_rollbacks={rb.max_rollbacks} rollbacks")
-        lr_scale = np.float32(float(self.actor.lr_scale) * rb.lr_factor)
-        got = self.checkpointer.restore_latest_good(target_state=self._ckpt_state())
-        if got is None:
-            raise RollbackLimit(f"step {failed}: {cause}; no checkpoint to roll back to")
-        self._load(got.step, got.state, got.meta)
-        # From the host, so each state gets a buffer of its own (both are donated).
-        scale = lambda s: s._replace(lr_scale=jax.device_put(lr_scale, s.lr_scale.sharding))
-        self.actor = scale(self.actor)
-        if self.critic is not None:
-            self.critic = scale(self.critic)
-        print(f"rollback {self.rollbacks}/{rb.max_rollbacks} at step {failed}: {cause}; "
-              f"restored step {got.step}, learning rates x{float(lr_scale):.4g}", flush=True)
-        self.log({"event": "training/rollbacks", "count": self.rollbacks, "cause": cause,
-                  "failed_step": failed, "restored_step": got.step,
-                  "lr_scale": float(lr_scale)})
 
     # --------------------------------------------------------------------------------- run
 

@@ -59,13 +59,12 @@ def _run(args, cwd):
 
 def _prepared(tmp: Path) -> list[str]:
     from rlhf_jax.roles import ensure_model_weights
-    from rlhf_jax.tasks.addition import prepare_files
-    from rlhf_jax.trainer import SYNTHETIC_MODELS
+    from rlhf_jax.tasks.addition import MODEL, prepare_files
 
     prepare_files(str(tmp / "train.parquet"), str(tmp / "val.parquet"), str(tmp / "model"),
                   64, 16, 0)
-    (tmp / "model/config.json").write_text(json.dumps(SYNTHETIC_MODELS["addition"]))
-    ensure_model_weights(tmp / "model", SYNTHETIC_MODELS["addition"], 0)
+    (tmp / "model/config.json").write_text(json.dumps(MODEL))
+    ensure_model_weights(tmp / "model", MODEL, 0)
     return [f"data.train_files={tmp / 'train.parquet'}", f"data.val_files={tmp / 'val.parquet'}",
             f"actor_rollout_ref.model.path={tmp / 'model'}",
             f"trainer.default_local_dir={tmp / 'run'}", "trainer.sft_warmup.enable=false",

@@ -5,9 +5,10 @@ plugs the engine into JetStream's own orchestrator and server.
 """
 
 from rlhf_jax.rollout.driver import RolloutBatch, generate_sequences, prompt_rows
-from rlhf_jax.rollout.engine import DecodeState, Engine, Prefix, ResultTokens, default_buckets
+from rlhf_jax.rollout.engine import Engine
 from rlhf_jax.rollout.reshard import reshard
 from rlhf_jax.rollout.sampling import SamplingParams, filter_logits, sample_tokens
+from rlhf_jax.rollout.state import DecodeState, Prefix, ResultTokens, default_buckets
 
 __all__ = [
     "DecodeState", "Engine", "Prefix", "ResultTokens", "RolloutBatch", "SamplingParams",

@@ -21,9 +21,10 @@ import numpy as np
 
 from rlhf_jax.batching import fetch
 from rlhf_jax.errors import ConfigError, DataError
-from rlhf_jax.rollout.engine import Engine, Prefix
+from rlhf_jax.rollout.engine import Engine
 from rlhf_jax.rollout.reshard import reshard
 from rlhf_jax.rollout.sampling import SamplingParams
+from rlhf_jax.rollout.state import Prefix
 
 Truncation = Literal["error", "left", "right"]
 

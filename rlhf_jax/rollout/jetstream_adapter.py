@@ -25,8 +25,9 @@ import numpy as np
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from rlhf_jax.errors import ConfigError, UserError
-from rlhf_jax.rollout.engine import DecodeState, Engine, Prefix
+from rlhf_jax.rollout.engine import Engine
 from rlhf_jax.rollout.sampling import SamplingParams
+from rlhf_jax.rollout.state import DecodeState, Prefix
 
 # token_utils.pad_tokens (used by the orchestrator) only knows these prefill lengths.
 _JETSTREAM_BUCKETS = tuple(16 * 2**i for i in range(12))

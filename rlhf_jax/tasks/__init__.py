@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.tasks import addition
 
@@ -21,3 +24,16 @@ def prepare(cfg) -> list[str]:
         raise ConfigError(f"synthetic.task: unknown task {synthetic.task!r} "
                           f"(known: {', '.join(sorted(TASKS))})")
     return TASKS[synthetic.task].prepare(cfg)
+
+
+def prepare_model(cfg) -> None:
+    """At `actor_rollout_ref.model.path`, the task model's `config.json` and random-init
+    weights (seed `synthetic.seed`), each unless it exists; call after `prepare`."""
+    task = TASKS[cfg.synthetic.task]
+    path = Path(cfg.actor_rollout_ref.model.path)
+    if not (path / "config.json").is_file():
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(task.MODEL, indent=2))
+    from rlhf_jax.roles import ensure_model_weights  # jax and the model: only when needed
+
+    ensure_model_weights(path, task.MODEL, cfg.synthetic.seed)

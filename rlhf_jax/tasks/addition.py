@@ -39,6 +39,14 @@ _TOKENIZER_CONFIG = {
 }
 
 
+# The architecture of the task's random-init model (HF config.json fields).
+MODEL = dict(
+    model_type="qwen2", vocab_size=16, hidden_size=64, intermediate_size=176,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+)
+
 def spaced(number: int) -> str:
     """`132` -> `"1 3 2"`: one token per digit."""
     return " ".join(str(number))
