@@ -210,6 +210,7 @@ def test_time_recurrences_in_blocks(monkeypatch, t, kind):
     from rlhf_jax.core_algos import advantages
 
     monkeypatch.setattr(advantages, "TIME_BLOCK", 4)
+    monkeypatch.setattr(advantages, "SUM_BLOCK", 2)  # GAE on prefix masks: 2 to 3 levels
     rng = np.random.default_rng(t)
     m = make_mask(kind, rng, t=t)
     r, v = rng.normal(size=(B, t)), rng.normal(size=(B, t))
@@ -219,6 +220,57 @@ def test_time_recurrences_in_blocks(monkeypatch, t, kind):
     rpp = ca.compute_reinforce_plus_plus_outcome_advantage(r, m, 0.7)
     for g, w in zip(rpp, ref_rpp(r, m, 0.7), strict=True):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6, atol=1e-6)
+
+
+def ref_discounted_reverse_cumsum(w, discount):
+    y = np.zeros(w.shape)
+    for t in reversed(range(w.shape[1])):
+        y[:, t] = w[:, t] + (discount * y[:, t + 1] if t + 1 < w.shape[1] else 0.0)
+    return y
+
+
+@pytest.mark.parametrize("t", [1, 3, 4, 7, 16, 37])
+@pytest.mark.parametrize("discount", [0.0, 0.6, 1.0])
+def test_discounted_reverse_cumsum_in_blocks(t, discount):
+    # blocks of 3: one partial block, whole blocks, and 37 = 13 blocks -> 5 -> 2 (3 levels)
+    from rlhf_jax.core_algos import advantages
+
+    w = np.random.default_rng(t).normal(size=(5, t))
+    with jax.enable_x64(True):
+        got = advantages._discounted_reverse_cumsum(jnp.asarray(w), discount, block=3)
+    np.testing.assert_allclose(np.asarray(got), ref_discounted_reverse_cumsum(w, discount),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_prefix_mask_check():
+    from rlhf_jax.core_algos import advantages
+
+    prefix = [[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert bool(advantages._is_prefix_mask(jnp.asarray(prefix, jnp.float32)))
+    for bad in ([[1, 0, 1, 0]], [[0, 1, 1, 0]], [[1, 0.5, 0, 0]], [[2, 1, 0, 0]]):
+        assert not bool(advantages._is_prefix_mask(jnp.asarray(bad, jnp.float32))), bad
+
+
+@pytest.mark.parametrize("kind", ["pad_end", "arbitrary", "leading"])
+def test_gae_both_paths_match_numpy(monkeypatch, kind):
+    # a 70-step batch in blocks of 4 (prefix path, 3 levels) and 8 (scan path): prefix masks,
+    # masks with holes, and masks with leading zeros all match verl's loop
+    from rlhf_jax.core_algos import advantages
+
+    monkeypatch.setattr(advantages, "SUM_BLOCK", 4)
+    monkeypatch.setattr(advantages, "TIME_BLOCK", 8)
+    rng = np.random.default_rng(7)
+    t = 70
+    m = make_mask("arbitrary" if kind == "arbitrary" else "pad_end", rng, t=t)
+    if kind == "leading":
+        m[:, :3] = 0
+    assert bool(advantages._is_prefix_mask(jnp.asarray(m))) == (kind == "pad_end")
+    r, v = rng.normal(size=(B, t)), np.where(m > 0, rng.normal(size=(B, t)), 7.0)
+    for gamma, lam in ((1.0, 0.95), (0.9, 0.0), (1.0, 1.0)):
+        with jax.enable_x64(True):
+            got = jax.jit(ca.compute_gae_advantage_return)(r, v, m, gamma, lam)
+        for g, w in zip(got, ref_gae(r, v, m, gamma, lam), strict=True):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-9, atol=1e-9)
 
 
 def test_gae_hand_case():

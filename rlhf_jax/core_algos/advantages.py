@@ -5,8 +5,9 @@ same names, same arguments (minus verl's `config` object), same numbers.
 
 Shapes: `[batch, time]` over response tokens, `mask` 1 up to and including EOS. Every
 estimator returns `(advantages, returns)`, both `[batch, time]`. Time recurrences are reverse
-`jax.lax.scan`s and group statistics are `jax.ops.segment_sum`s, so everything runs under
-`jax.jit` with static shapes. The functions are differentiable, but advantages are targets:
+`jax.lax.scan`s (GAE first checks for prefix masks, where its recurrence is a discounted
+reverse cumulative sum done as matrix products) and group statistics are
+`jax.ops.segment_sum`s, so everything runs under `jax.jit` with static shapes. The functions are differentiable, but advantages are targets:
 a trainer computes them outside its gradient (verl wraps them in `torch.no_grad`).
 
 Group ids (`index`): verl groups by a Python dict over prompt uids; here `index` is an int
@@ -71,6 +72,45 @@ def _reverse_scan_time(step, carry, *xs_bt, block: int | None = None):
     return jax.lax.fori_loop(0, n, body, (carry, out_bt))[1]
 
 
+# Time steps per block of `_discounted_reverse_cumsum`: the in-block sums are one
+# [rows, 32] x [32, 32] product; larger blocks cost more FLOPs, smaller ones more levels.
+SUM_BLOCK = 32
+
+
+def _discounted_reverse_cumsum(w_bt, discount, block: int | None = None):
+    """`y_t = sum_{s >= t} discount^(s - t) w_s` along the time axis of `[batch, time]`.
+
+    The time axis is cut into blocks of `block` steps. One matrix product with the constant
+    `[block, block]` matrix `discount^(s - t) [s >= t]` gives every in-block sum; the sums at
+    the block starts obey the same recurrence with `discount^block` over blocks (recursively),
+    and each position adds `discount^(block - t')` times the next block's start value. A
+    handful of passes over the arrays and no loop over time: on CPU, where a scan pays a few
+    microseconds per step and transposes are slow, several times faster than the scan.
+    Precision is `HIGHEST`, so TPUs do not round the sums to bfloat16.
+    """
+    b_rows, t = w_bt.shape
+    block = min(SUM_BLOCK if block is None else block, t)
+    n = -(-t // block)
+    if n * block > t:  # trailing zeros add nothing to earlier sums
+        w_bt = jnp.pad(w_bt, ((0, 0), (0, n * block - t)))
+    k = jnp.arange(block)
+    ahead = k[None, :] - k[:, None]  # [t', s'] = s' - t'
+    powers = jnp.where(ahead >= 0, discount ** jnp.maximum(ahead, 0).astype(w_bt.dtype), 0)
+    y = jnp.einsum("bns,ts->bnt", w_bt.reshape(b_rows, n, block), powers.astype(w_bt.dtype),
+                   precision=jax.lax.Precision.HIGHEST)
+    if n > 1:
+        starts = _discounted_reverse_cumsum(y[:, :, 0], discount**block, block)
+        next_start = jnp.concatenate([starts[:, 1:], jnp.zeros_like(starts[:, :1])], axis=1)
+        y = y + next_start[:, :, None] * (discount ** (block - k).astype(w_bt.dtype))
+    return y.reshape(b_rows, n * block)[:, :t]
+
+
+def _is_prefix_mask(m_bt):
+    """True when every row is 0/1 with its ones first (`1..1 0..0`, all-zero rows included)."""
+    m_next = jnp.concatenate([m_bt[:, 1:], jnp.zeros_like(m_bt[:, :1])], axis=1)
+    return jnp.all(((m_bt == 0) | (m_bt == 1)) & (m_bt >= m_next))
+
+
 def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam):
     """Generalised advantage estimation (Schulman et al. 2016), masked tokens skipped.
 
@@ -107,9 +147,19 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
         last = gae * m_t + (1 - m_t) * last
         return (next_v, last), last
 
-    zeros_b = jnp.zeros_like(rewards[:, 0])  # keeps the batch sharding of explicit meshes
-    adv = _reverse_scan_time(step, (zeros_b, zeros_b), rewards, values, m)
-    returns = adv + values
+    # each branch also adds the values, so that the sum fuses with the pass that makes `adv`
+    def scan(rewards, values, m):
+        zeros_b = jnp.zeros_like(rewards[:, 0])  # keeps the batch sharding of explicit meshes
+        adv = _reverse_scan_time(step, (zeros_b, zeros_b), rewards, values, m)
+        return adv, adv + values
+
+    def prefix(rewards, values, m):
+        shift = lambda x: jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+        td = m * (rewards + gamma * shift(m) * shift(values) - values)
+        adv = _discounted_reverse_cumsum(td, gamma * lam)
+        return adv, adv + values
+
+    adv, returns = jax.lax.cond(_is_prefix_mask(m), prefix, scan, rewards, values, m)
     return masked_whiten(adv, m), returns
 
 
