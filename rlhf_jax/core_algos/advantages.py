@@ -7,8 +7,9 @@ Shapes: `[batch, time]` over response tokens, `mask` 1 up to and including EOS. 
 estimator returns `(advantages, returns)`, both `[batch, time]`. Time recurrences are reverse
 `jax.lax.scan`s (GAE first checks for prefix masks, where its recurrence is a discounted
 reverse cumulative sum done as matrix products) and group statistics are
-`jax.ops.segment_sum`s, so everything runs under `jax.jit` with static shapes. The functions are differentiable, but advantages are targets:
-a trainer computes them outside its gradient (verl wraps them in `torch.no_grad`).
+`jax.ops.segment_sum`s, so everything runs under `jax.jit` with static shapes. The functions
+are differentiable, but advantages are targets: a trainer computes them outside its gradient
+(verl wraps them in `torch.no_grad`).
 
 Group ids (`index`): verl groups by a Python dict over prompt uids; here `index` is an int
 `[batch]` array of group ids in `[0, num_groups)` (e.g. `np.unique(uids, return_inverse=True)`),
