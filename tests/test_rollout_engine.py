@@ -85,6 +85,21 @@ def test_sampled_frequencies_match_the_filtered_softmax():
     np.testing.assert_allclose(raw, raw_want, atol=1e-6)
 
 
+def test_first_argmax_and_draws_match_jax():
+    from rlhf_jax.rollout.sampling import first_argmax
+
+    x = np.array(jax.random.normal(jax.random.key(0), (64, 40)))
+    x[0, [3, 9]] = x[0].max() + 1  # a tie: the first index wins
+    x[1, [5, 7]] = np.nan  # a NaN counts as the maximum, as in jnp.argmax
+    x[2, :] = -np.inf
+    np.testing.assert_array_equal(jax.jit(first_argmax)(jnp.asarray(x)), jnp.argmax(x, -1))
+    # the draws are jax.random.categorical's for the same keys
+    keys = request_keys(jax.random.key(1), jnp.arange(64), jnp.zeros(64, jnp.int32))
+    logits = jnp.asarray(x[3:])
+    got = jax.jit(lambda lg, k: sample_tokens(lg, k, SamplingParams()))(logits, keys[3:])[0]
+    np.testing.assert_array_equal(got, jax.vmap(jax.random.categorical)(keys[3:], logits))
+
+
 def test_request_keys_depend_on_request_and_position_only():
     rng = jax.random.key(0)
     a = jax.random.key_data(request_keys(rng, jnp.array([5, 6]), jnp.array([0, 0])))

@@ -100,6 +100,16 @@ def request_keys(rng, request_ids_b, positions_b):
     return jax.vmap(one)(request_ids_b, positions_b)
 
 
+def first_argmax(x_bv):
+    """`jnp.argmax(x, axis=-1)` (the first maximum; a NaN counts as the maximum) as two plain
+    reductions, a max and then a min over the indices that reach it: on CPU, XLA's fused
+    (value, index) reduction of `argmax` is several times slower, and decode samples every
+    step."""
+    v = x_bv.shape[-1]
+    hit_bv = (x_bv == jnp.max(x_bv, axis=-1, keepdims=True)) | jnp.isnan(x_bv)
+    return jnp.min(jnp.where(hit_bv, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
+
+
 def sample_tokens(logits_bv, keys_b, params: SamplingParams):
     """Draws one token per row.
 
@@ -116,9 +126,11 @@ def sample_tokens(logits_bv, keys_b, params: SamplingParams):
         logits_bv, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p
     )
     if params.greedy:
-        tokens_b = jnp.argmax(filtered_bv, axis=-1)
-    else:
-        tokens_b = jax.vmap(jax.random.categorical)(keys_b, filtered_bv)
+        tokens_b = first_argmax(filtered_bv)
+    else:  # jax.random.categorical's Gumbel-max draw, the same tokens for the same keys
+        v = filtered_bv.shape[-1]
+        gumbel_bv = jax.vmap(lambda k: jax.random.gumbel(k, (v,), filtered_bv.dtype))(keys_b)
+        tokens_b = first_argmax(filtered_bv + gumbel_bv)
     tokens_b = tokens_b.astype(jnp.int32)
     log_probs_b = gather_log_softmax(filtered_bv, tokens_b)
     raw_log_probs_b = gather_log_softmax(logits_bv.astype(jnp.float32), tokens_b)
