@@ -45,7 +45,7 @@ def device_bytes(tree) -> int:
     return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards)
 
 
-def measure(small: bool = False, warmup: int = 2, repeats: int = 10) -> dict:
+def measure(small: bool = False, warmup: int = 2, repeats: int = 30) -> dict:
     """The figures on this process's devices (8 needed for the cpu-8 mesh)."""
     if small:
         warmup, repeats = 1, 2

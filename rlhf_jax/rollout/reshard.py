@@ -123,15 +123,18 @@ def _cpu_blocks(xs, targets, plans):
         data = {s.device: s.data for s in x.addressable_shards}
         for dev, op, holders in plan:
             per_device.setdefault(dev, []).append((k, op, [data[h] for h in holders]))
+    # every remote block of every device in one batched device_put (one dispatch, not one
+    # per device)
+    flats = {dev: [p for _, _, ps in items for p in ps] for dev, items in per_device.items()}
+    remote = [(dev, i) for dev, flat in flats.items()
+              for i, p in enumerate(flat) if p.devices() != {dev}]
+    if remote:
+        moved = jax.device_put([flats[dev][i] for dev, i in remote], [dev for dev, _ in remote])
+        for (dev, i), x in zip(remote, moved, strict=True):
+            flats[dev][i] = x
     shards: dict = {}
     for dev, items in per_device.items():
-        flat = [p for _, _, ps in items for p in ps]
-        remote = [i for i, p in enumerate(flat) if p.devices() != {dev}]
-        if remote:
-            for i, moved in zip(remote, jax.device_put([flat[i] for i in remote], dev),
-                                strict=True):
-                flat[i] = moved
-        it = iter(flat)
+        it = iter(flats[dev])
         pieces = tuple(tuple(next(it) for _ in ps) for _, _, ps in items)
         outs = _assembler(tuple(op for _, op, _ in items))(pieces)
         for (k, _, _), out in zip(items, outs, strict=True):
