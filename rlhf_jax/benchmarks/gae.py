@@ -52,7 +52,7 @@ def inputs(batch: int, time: int, seed: int = 0):
 JAX_CALLS = 5  # compiled calls per NumPy call in each turn (the NumPy loop is ~20x longer)
 
 
-def run(*, small: bool = False, batch: int = 512, time: int = 2048, repeats: int = 9) -> dict:
+def run(*, small: bool = False, batch: int = 512, time: int = 2048, repeats: int = 25) -> dict:
     """Both GAE implementations on the same `[batch, time]` arrays."""
     if small:
         batch, time, repeats = 8, 16, 1
