@@ -73,6 +73,11 @@ def _reverse_scan_time(step, carry, *xs_bt, block: int | None = None):
     return jax.lax.fori_loop(0, n, body, (carry, out_bt))[1]
 
 
+def _next(x_bt):
+    """`x` one time step ahead: `out[:, t] = x[:, t + 1]`, 0 after the last step."""
+    return jnp.concatenate([x_bt[:, 1:], jnp.zeros_like(x_bt[:, :1])], axis=1)
+
+
 # Time steps per block of `_discounted_reverse_cumsum`: the in-block sums are one
 # [rows, 32] x [32, 32] product; larger blocks cost more FLOPs, smaller ones more levels.
 SUM_BLOCK = 32
@@ -101,15 +106,13 @@ def _discounted_reverse_cumsum(w_bt, discount, block: int | None = None):
                    precision=jax.lax.Precision.HIGHEST)
     if n > 1:
         starts = _discounted_reverse_cumsum(y[:, :, 0], discount**block, block)
-        next_start = jnp.concatenate([starts[:, 1:], jnp.zeros_like(starts[:, :1])], axis=1)
-        y = y + next_start[:, :, None] * (discount ** (block - k).astype(w_bt.dtype))
+        y = y + _next(starts)[:, :, None] * (discount ** (block - k).astype(w_bt.dtype))
     return y.reshape(b_rows, n * block)[:, :t]
 
 
 def _is_prefix_mask(m_bt):
     """True when every row is 0/1 with its ones first (`1..1 0..0`, all-zero rows included)."""
-    m_next = jnp.concatenate([m_bt[:, 1:], jnp.zeros_like(m_bt[:, :1])], axis=1)
-    return jnp.all(((m_bt == 0) | (m_bt == 1)) & (m_bt >= m_next))
+    return jnp.all(((m_bt == 0) | (m_bt == 1)) & (m_bt >= _next(m_bt)))
 
 
 def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam):
@@ -155,8 +158,7 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
         return adv, adv + values
 
     def prefix(rewards, values, m):
-        shift = lambda x: jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
-        td = m * (rewards + gamma * shift(m) * shift(values) - values)
+        td = m * (rewards + gamma * _next(m) * _next(values) - values)
         adv = _discounted_reverse_cumsum(td, gamma * lam)
         return adv, adv + values
 
