@@ -173,15 +173,15 @@ def init_state(params, tx: optax.GradientTransformation) -> TrainState:
 def response_logits(model: Model, params, seqs: Sequences, temperature: float = 1.0):
     """Logits that predict each response token: [B, R, V] (divided by the temperature)."""
     r = seqs.responses.shape[-1]
-    logits_btv = model.forward(params, seqs.input_ids, seqs.attention_mask)
-    return logits_btv[:, -r - 1 : -1] / temperature
+    logits_brv = model.forward(params, seqs.input_ids, seqs.attention_mask, slice(-r - 1, -1))
+    return logits_brv / temperature
 
 
 def response_values(model: Model, params, seqs: Sequences):
     """Values of the state before each response token, zero outside the mask: [B, R]."""
     r = seqs.responses.shape[-1]
-    values_bt = model.forward(params, seqs.input_ids, seqs.attention_mask)
-    return values_bt[:, -r - 1 : -1] * seqs.response_mask
+    values_br = model.forward(params, seqs.input_ids, seqs.attention_mask, slice(-r - 1, -1))
+    return values_br * seqs.response_mask
 
 
 def log_probs_step(params, seqs: Sequences, *, model: Model, temperature: float,
@@ -223,8 +223,10 @@ def _actor_micro_loss(params, mb, token_count, seq_count, *, model: Model, loss:
         clip_ratio_low=loss.clip_ratio_low, clip_ratio_high=loss.clip_ratio_high,
         clip_ratio_c=loss.clip_ratio_c, loss_agg_mode=loss.loss_agg_mode, **denoms,
     )
+    # With no entropy bonus the entropy is a metric only: no backward pass through it.
+    ent_logits = logits if loss.entropy_coeff else jax.lax.stop_gradient(logits)
     entropy = core_algos.agg_loss(
-        core_algos.entropy_from_logits(logits), mask, loss.loss_agg_mode, **denoms
+        core_algos.entropy_from_logits(ent_logits), mask, loss.loss_agg_mode, **denoms
     )
     total = pg_loss - loss.entropy_coeff * entropy
     metrics = {"actor/pg_loss": pg_loss, "actor/entropy": entropy}

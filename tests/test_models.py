@@ -1,5 +1,6 @@
 """Parity with transformers (Qwen2, Llama), HF import/export, and parameter sharding."""
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -127,6 +128,23 @@ def test_sharded_forward_equals_single_device(hf_dirs):
         model, params = load_hf_model(hf_dirs["qwen2"], mesh, spec.train_rules)
         outs.append(np.asarray(jax.jit(model.forward)(params, ids, mask)))
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "value"])
+def test_head_slice_is_the_full_output_sliced(hf_dirs, arch):
+    """`forward(..., head_slice)` runs the head on those positions only, with the same
+    numbers as slicing the full output, on one device and sharded (tied and untied heads)."""
+    ids, mask = _batch()
+    cut = slice(-5, -1)
+    for name in ("single", "cpu-8"):
+        mesh, spec = _mesh(name)
+        kind = "value" if arch == "value" else "lm"
+        model, params = load_hf_model(hf_dirs[arch], mesh, spec.train_rules, kind=kind)
+        full = np.asarray(jax.jit(model.forward)(params, ids, mask))
+        part = np.asarray(jax.jit(functools.partial(model.forward, head_slice=cut))(
+            params, ids, mask))
+        assert part.shape == full[:, cut].shape
+        np.testing.assert_allclose(part, full[:, cut], atol=1e-6, rtol=0)
 
 
 def test_train_layout_splits_big_matrices_over_fsdp_and_tensor():

@@ -105,6 +105,46 @@ def test_sharded_update_equals_single_device_and_params_move():
         assert np.isfinite(m1[key]) and key in m8
 
 
+def test_entropy_enters_the_gradient_only_with_a_bonus():
+    """With `entropy_coeff=0` the entropy is a metric with no backward pass: the gradient is
+    the policy loss's alone; with a bonus c it is that minus c x the entropy's gradient."""
+    from rlhf_jax import core_algos
+
+    model = Model(CFG)
+    params = model.init(jax.random.key(0), make_mesh(load_mesh_spec("single")), ())
+    seqs, extra = _rollout()
+    tok = jnp.asarray(seqs.response_mask.sum(), jnp.float32)
+    sq = jnp.asarray((seqs.response_mask.sum(-1) > 0).sum(), jnp.float32)
+    mb = (seqs, extra["old"], extra["adv"], extra["ref"])
+
+    def grad(coeff):
+        loss = functools.partial(ts._actor_micro_loss, model=model,
+                                 loss=ts.ActorLoss(entropy_coeff=coeff))
+        (_, metrics), g = jax.value_and_grad(loss, has_aux=True)(params, mb, tok, sq)
+        return g, metrics
+
+    def pg_only(p):
+        logits = ts.response_logits(model, p, seqs)
+        logp = core_algos.logprobs_from_logits(logits, seqs.responses)
+        return core_algos.compute_policy_loss(
+            extra["old"], logp, extra["adv"], seqs.response_mask, clip_ratio=0.2,
+            global_token_count=tok)[0]
+
+    def entropy(p):
+        logits = ts.response_logits(model, p, seqs)
+        return core_algos.agg_loss(core_algos.entropy_from_logits(logits),
+                                   seqs.response_mask, "token-mean", global_token_count=tok)
+
+    g0, m0 = grad(0.0)
+    g1, _ = grad(0.5)
+    g_pg, g_ent = jax.grad(pg_only)(params), jax.grad(entropy)(params)
+    assert m0["actor/entropy"] == pytest.approx(float(entropy(params)), rel=1e-6)
+    chex.assert_trees_all_close(g0, g_pg, atol=1e-7, rtol=1e-5)
+    want = jax.tree.map(lambda a, b: a - 0.5 * b, g_pg, g_ent)
+    chex.assert_trees_all_close(g1, want, atol=1e-6, rtol=1e-4)
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g_ent)) > 1e-3
+
+
 def test_non_finite_gradient_skips_the_update():
     spec = load_mesh_spec("single")
     mesh = make_mesh(spec)

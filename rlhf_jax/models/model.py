@@ -98,12 +98,17 @@ class Model:
         )
         return init(rng)
 
-    def forward(self, params, input_ids_bt, attention_mask_bt):
-        """Full-sequence forward of a (left-)padded batch: logits [B,T,V] or values [B,T]."""
+    def forward(self, params, input_ids_bt, attention_mask_bt, head_slice: slice | None = None):
+        """Full-sequence forward of a (left-)padded batch: logits [B,T,V] or values [B,T].
+
+        With `head_slice` (static), only those positions go through the head: e.g.
+        `slice(-R - 1, -1)` for the R positions that predict a response, which spares the
+        LM head's matmul (and its backward) on the prompt.
+        """
         with self._layout():
             out, _ = self.module.apply(
                 {"params": params}, input_ids_bt, positions_from_mask(attention_mask_bt),
-                causal_mask(attention_mask_bt),
+                causal_mask(attention_mask_bt), head_slice=head_slice,
             )
         return out
 

@@ -344,8 +344,13 @@ class CausalLM(nn.Module):
                 dot_general=dense_dot_general,
             )
 
-    def __call__(self, input_ids_bt, positions_bt, mask_bts, cache=None, write_index=None):
+    def __call__(self, input_ids_bt, positions_bt, mask_bts, cache=None, write_index=None,
+                 head_slice: slice | None = None):
+        """`head_slice` (static): the positions whose logits are wanted, e.g. the responses';
+        the head runs on those hidden states only."""
         x_btd, new_cache = self.model(input_ids_bt, positions_bt, mask_bts, cache, write_index)
+        if head_slice is not None:
+            x_btd = x_btd[:, head_slice]
         if self.cfg.tie_word_embeddings:
             logits_btv = self.model.attend(x_btd)
         else:
@@ -370,6 +375,9 @@ class ValueModel(nn.Module):
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
         )
 
-    def __call__(self, input_ids_bt, positions_bt, mask_bts, cache=None, write_index=None):
+    def __call__(self, input_ids_bt, positions_bt, mask_bts, cache=None, write_index=None,
+                 head_slice: slice | None = None):
         x_btd, _ = self.model(input_ids_bt, positions_bt, mask_bts)
+        if head_slice is not None:
+            x_btd = x_btd[:, head_slice]
         return self.score(x_btd.astype(jnp.float32))[..., 0], None
