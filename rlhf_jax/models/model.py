@@ -126,7 +126,8 @@ class Model:
         Args:
           input_ids_bt: [B, T] new tokens (T = 1 while generating, the bucket for a prefill).
           positions_bt: [B, T] their RoPE positions.
-          cache: `KVCache` with S >= write_index + T.
+          cache: `KVCache` with S >= write_index + T, stacked or `per_layer()` (returned
+            in the same form).
           write_index_b: [B] where row b's new keys go; earlier cache rows are its context.
           kv_mask_bs: optional [B, S] extra key validity (e.g. left padding inside the cache).
 
@@ -134,7 +135,7 @@ class Model:
           (logits [B, T, V] float32, the updated cache).
         """
         assert self.kind == "lm", "decode needs a causal LM"
-        mask_bts = cache_mask(write_index_b, input_ids_bt.shape[1], cache.k.shape[3], kv_mask_bs)
+        mask_bts = cache_mask(write_index_b, input_ids_bt.shape[1], cache.length, kv_mask_bs)
         with self._layout():
             return self.module.apply(
                 {"params": params}, input_ids_bt, positions_bt, mask_bts, cache, write_index_b

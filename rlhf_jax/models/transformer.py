@@ -27,10 +27,27 @@ class KVCache(NamedTuple):
 
     Heads before positions, so that a layer's [B, K, S, H] block is what the attention
     contractions read (batch dims B, K leading), with no transpose of the cache per step.
+
+    A decode loop carries the cache `per_layer()`: `k`, `v` as tuples of L [B, K, S, H]
+    arrays, each its own buffer. The layers then run one after another (unrolled) and each
+    writes its new keys into, and attends over, its block in place; a block of the stacked
+    array is copied out at every step on CPU (XLA materialises its slice), which costs more
+    memory traffic than the attention itself. `stacked()` goes back.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: Any
+    v: Any
+
+    @property
+    def length(self) -> int:
+        """S, the positions the cache holds."""
+        return (self.k[0] if isinstance(self.k, tuple) else self.k).shape[-2]
+
+    def per_layer(self) -> KVCache:
+        return KVCache(*(tuple(c[i] for i in range(c.shape[0])) for c in self))
+
+    def stacked(self) -> KVCache:
+        return KVCache(*(jnp.stack(c) for c in self))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -314,6 +331,9 @@ class Backbone(nn.Module):
 
     def __call__(self, input_ids_bt, positions_bt, mask_bts, cache=None, write_index=None):
         x_btd = constrain(self.embed_tokens(input_ids_bt), ("batch", "act_length", "act_embed"))
+        if cache is not None and isinstance(cache.k, tuple):
+            x_btd, new_cache = self._per_layer(x_btd, positions_bt, mask_bts, cache, write_index)
+            return self.norm(x_btd), new_cache
         # The cache rides in the scan's carry, whole, with each layer's index as the scanned
         # input: scanning over it as xs / ys would copy every layer's block out and back in
         # at every step.
@@ -322,6 +342,21 @@ class Backbone(nn.Module):
         (x_btd, new), _ = self.layers((x_btd, kv), positions_bt, mask_bts, write_index, layers)
         new_cache = None if cache is None else KVCache(*new)
         return self.norm(x_btd), new_cache
+
+    def _per_layer(self, x_btd, positions_bt, mask_bts, cache: KVCache, write_index):
+        """The scanned layers unrolled over a `per_layer()` cache: layer i's parameters are
+        its slice of the stacked ones, its cache block is a [1, B, K, S, H] view of its own
+        buffer (index 0: no copy, the write in place)."""
+        stacked = self.layers.variables["params"]
+        layer = DecoderLayer(self.cfg, self.dtype, self.param_dtype, parent=None)
+        ks, vs = list(cache.k), list(cache.v)
+        for i in range(self.cfg.num_hidden_layers):
+            params = jax.tree.map(lambda p, i=i: p[i], stacked)
+            carry = (x_btd, (ks[i][None], vs[i][None]))
+            (x_btd, (k, v)), _ = layer.apply({"params": params}, carry, positions_bt, mask_bts,
+                                             write_index, 0)
+            ks[i], vs[i] = k[0], v[0]
+        return x_btd, KVCache(tuple(ks), tuple(vs))
 
     def attend(self, x_btd):
         return self.embed_tokens.attend(x_btd)

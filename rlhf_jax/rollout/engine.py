@@ -474,7 +474,13 @@ class Engine:
                              for b_, o in zip(bufs, outs, strict=True))
                 return i + 1, st, bufs
 
+            # Several steps carry the cache per layer (one split and one stack per call,
+            # no copy of a layer's block per step; see `KVCache`).
+            if k > 1:
+                state = dataclasses.replace(state, cache=state.cache.per_layer())
             _, state, (tok, valid, lp, raw) = jax.lax.while_loop(cond, body, (0, state, bufs))
+            if k > 1:
+                state = dataclasses.replace(state, cache=state.cache.stacked())
             return state, ResultTokens(tok, valid, state.generated, lp, raw)
 
         st = self.decode_state_shardings()
