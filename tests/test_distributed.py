@@ -3,8 +3,8 @@
 Default run: argument checks, the launcher's one-line errors, a two-process check of the
 host-side pieces (gathered prompts, batch placement, a rollout's host loop) against one
 process, and a failed host bringing a Ray job down. Slow (`-m slow`): two PPO steps of the
-tiny config on 2 Ray processes x 4 CPU devices equal the single-process 8-device run, and a
-host that dies at step 1.
+tiny config on 2 Ray processes x 4 CPU devices equal the single-process 8-device run, and so
+does a third step after both resume from their checkpoints; a host that dies at step 1.
 """
 
 from __future__ import annotations
@@ -188,16 +188,9 @@ def test_two_hosts_match_one_host(tmp_path):
     assert "launch_ray: host 0 finished (2 steps)" in out
     assert "launch_ray: host 1 finished (2 steps)" in out
     train(tiny(tmp_path / "one", mesh="cpu-8"))
-    hosts, one = steps_logged(tmp_path / "hosts/run"), steps_logged(tmp_path / "one/run")
-    assert list(hosts) == list(one) == [1, 2]
+    hosts, one = _same_steps(tmp_path, [1, 2])
     rows = (tmp_path / "hosts/run/metrics.jsonl").read_text().splitlines()
     assert len([r for r in rows if "event" not in json.loads(r)]) == 2  # process 0 logs alone
-    for step in (1, 2):
-        a = {k: v for k, v in hosts[step].items() if not k.startswith(MACHINE)}
-        b = {k: v for k, v in one[step].items() if not k.startswith(MACHINE)}
-        assert a.keys() == b.keys()
-        for k in a:
-            assert a[k] == pytest.approx(b[k], abs=1e-5, rel=1e-6), (step, k)
     assert "val-core/synthetic/addition/reward/mean@1" in hosts[2]
     # checkpoints: every process wrote its shards through orbax, and they restore here
     from rlhf_jax.checkpoint import Checkpointer
@@ -205,3 +198,29 @@ def test_two_hosts_match_one_host(tmp_path):
     with Checkpointer(tmp_path / "hosts/run/checkpoints") as ckpt:
         assert ckpt.latest_step() == 2
     assert (tmp_path / "hosts/run/checkpoints/2/rlhf_manifest.json").is_file()
+
+    # Resume: the 2 hosts restore their step-2 checkpoint (each process its shards) and go
+    # on to step 3, logging what the one process logs when it goes on from its own.
+    more = {"trainer.total_training_steps": 3, "trainer.test_freq": -1}
+    code, out, err, _ = _launch(_hosts(tmp_path / "hosts", *(f"{k}={v}" for k, v in
+                                                            more.items())), tmp_path, 1500)
+    assert code == 0, (out[-3000:], err[-3000:])
+    assert "launch_ray: host 1 finished (3 steps)" in out  # its global step
+    train(tiny(tmp_path / "one", mesh="cpu-8", **more))
+    _same_steps(tmp_path, [1, 2, 3])
+    events = [json.loads(r) for r in
+              (tmp_path / "hosts/run/metrics.jsonl").read_text().splitlines()]
+    assert [e["from_step"] for e in events if e.get("event") == "training/resumed"] == [2]
+
+
+def _same_steps(tmp: Path, steps: list[int]):
+    """The metrics of `hosts/run` and `one/run`, equal but for the machine's (1e-5)."""
+    hosts, one = steps_logged(tmp / "hosts/run"), steps_logged(tmp / "one/run")
+    assert list(hosts) == list(one) == steps
+    for step in steps:
+        a = {k: v for k, v in hosts[step].items() if not k.startswith(MACHINE)}
+        b = {k: v for k, v in one[step].items() if not k.startswith(MACHINE)}
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], abs=1e-5, rel=1e-6), (step, k)
+    return hosts, one
