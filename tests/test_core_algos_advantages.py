@@ -252,9 +252,10 @@ def test_prefix_mask_check():
 
 
 @pytest.mark.parametrize("kind", ["pad_end", "arbitrary", "leading"])
-def test_gae_both_paths_match_numpy(monkeypatch, kind):
+def test_both_paths_match_numpy(monkeypatch, kind):
     # a 70-step batch in blocks of 4 (prefix path, 3 levels) and 8 (scan path): prefix masks,
-    # masks with holes, and masks with leading zeros all match verl's loop
+    # masks with holes, and masks with leading zeros all match verl's loops (GAE, REINFORCE++);
+    # rewards are nonzero after the response too, where REINFORCE++'s return is the reward
     from rlhf_jax.core_algos import advantages
 
     monkeypatch.setattr(advantages, "SUM_BLOCK", 4)
@@ -270,6 +271,11 @@ def test_gae_both_paths_match_numpy(monkeypatch, kind):
         with jax.enable_x64(True):
             got = jax.jit(ca.compute_gae_advantage_return)(r, v, m, gamma, lam)
         for g, w in zip(got, ref_gae(r, v, m, gamma, lam), strict=True):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-9, atol=1e-9)
+    for gamma in (1.0, 0.7, 0.0):
+        with jax.enable_x64(True):
+            got = jax.jit(ca.compute_reinforce_plus_plus_outcome_advantage)(r, m, gamma)
+        for g, w in zip(got, ref_rpp(r, m, gamma), strict=True):
             np.testing.assert_allclose(np.asarray(g), w, rtol=1e-9, atol=1e-9)
 
 

@@ -5,8 +5,8 @@ same names, same arguments (minus verl's `config` object), same numbers.
 
 Shapes: `[batch, time]` over response tokens, `mask` 1 up to and including EOS. Every
 estimator returns `(advantages, returns)`, both `[batch, time]`. Time recurrences are reverse
-`jax.lax.scan`s (GAE first checks for prefix masks, where its recurrence is a discounted
-reverse cumulative sum done as matrix products) and group statistics are
+`jax.lax.scan`s (GAE and REINFORCE++ first check for prefix masks, where their recurrence is
+a discounted reverse cumulative sum done as matrix products) and group statistics are
 `jax.ops.segment_sum`s, so everything runs under `jax.jit` with static shapes. The functions
 are differentiable, but advantages are targets: a trainer computes them outside its gradient
 (verl wraps them in `torch.no_grad`).
@@ -272,7 +272,9 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_
     """REINFORCE++ (Hu 2025): whitened discounted return-to-go.
 
     Reverse scan: `G = r_t + gamma * G; R_t = G; G = G * m_t` (the running return restarts
-    at masked positions, as verl). `advantages = masked_whiten(R, m) * m`.
+    at masked positions, as verl). `advantages = masked_whiten(R, m) * m`. On prefix masks
+    (`1..1 0..0` rows) the scan is a discounted reverse cumulative sum: `R = sum_{s >= t}
+    gamma^(s - t) m_s r_s` on the response and `R_t = r_t` after it.
 
     Args:
       token_level_rewards: `[batch, time]`.
@@ -293,7 +295,13 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_
         running = r_t + gamma * running
         return running * m_t, running
 
-    returns = _reverse_scan_time(step, jnp.zeros_like(rewards[:, 0]), rewards, m)
+    def scan(rewards, m):
+        return _reverse_scan_time(step, jnp.zeros_like(rewards[:, 0]), rewards, m)
+
+    def prefix(rewards, m):
+        return jnp.where(m != 0, _discounted_reverse_cumsum(rewards * m, gamma), rewards)
+
+    returns = jax.lax.cond(_is_prefix_mask(m), prefix, scan, rewards, m)
     advantages = masked_whiten(returns, m) * m
     return advantages, returns
 
