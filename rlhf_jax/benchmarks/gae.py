@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 
 import jax
 import numpy as np
 
 from rlhf_jax import core_algos
-from rlhf_jax.benchmarks.common import block
+from rlhf_jax.benchmarks.common import timed
 
 
 def numpy_gae(rewards, values, mask, gamma: float, lam: float):
@@ -49,12 +48,6 @@ def numpy_gae(rewards, values, mask, gamma: float, lam: float):
     return (adv - mean) / np.sqrt(var + 1e-8), returns
 
 
-def _seconds(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def inputs(batch: int, time: int, seed: int = 0):
     """Random rewards and values, right-padded masks of random lengths (float32)."""
     rng = np.random.default_rng(seed)
@@ -74,17 +67,15 @@ def run(*, small: bool = False, batch: int = 512, time: int = 2048, repeats: int
     fn = jax.jit(core_algos.compute_gae_advantage_return)
     dev = jax.device_put((rewards, values, mask))
     run_numpy = lambda: numpy_gae(rewards, values, mask, gamma, lam)
-    run_jax = lambda: block(fn(*dev, gamma, lam))
+    run_jax = lambda: fn(*dev, gamma, lam)
     run_jax()  # compiles
+    # the warm-up turn sizes the others: as many compiled calls as fill one NumPy call
+    warm_np = timed(run_numpy, warmup=0, repeats=1).min
+    calls = max(5, math.ceil(warm_np / timed(run_jax, warmup=0, repeats=5).min))
     t_np, t_jax, first = [], [], []
-    calls = 5
-    for turn in range(1 + repeats):  # the first turn is the warm-up that sizes the others
-        t_np.append(_seconds(run_numpy))
-        times = [_seconds(run_jax) for _ in range(calls)]
-        if turn == 0:
-            calls = max(5, math.ceil(t_np[0] / min(times)))
-            t_np.clear()
-            continue
+    for _ in range(repeats):
+        t_np.append(timed(run_numpy, warmup=0, repeats=1).min)
+        times = timed(run_jax, warmup=0, repeats=calls).times
         t_jax += times
         first.append(times[0])
     got = jax.device_get(fn(*dev, gamma, lam))
