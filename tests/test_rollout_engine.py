@@ -11,6 +11,7 @@ from scipy import stats
 from rlhf_jax.errors import ConfigError, DataError
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import KVCache, Model, ModelConfig
+from rlhf_jax.models.transformer import per_layer_params
 from rlhf_jax.rollout import Engine, SamplingParams, default_buckets, filter_logits, sample_tokens
 from rlhf_jax.rollout.sampling import request_keys
 
@@ -190,8 +191,9 @@ def test_prefill_insert_generate_follow_the_full_forward(setup):
 
 
 def test_per_layer_cache_decodes_like_the_stacked_one(setup):
-    """The decode loop's per-layer cache (unrolled layers, blocks in place) gives the same
-    logits and the same written cache as the stacked cache (scanned layers), sharded."""
+    """The decode loop's per-layer cache (unrolled layers, blocks in place), with the stacked
+    parameters or their `per_layer_params` split, gives the same logits and the same written
+    cache as the stacked cache (scanned layers), sharded."""
     model, _, params = setup
     rng = np.random.default_rng(1)
     cache = KVCache(*(jnp.asarray(rng.normal(size=c.shape), jnp.float32)
@@ -200,11 +202,18 @@ def test_per_layer_cache_decodes_like_the_stacked_one(setup):
     wi = jnp.asarray([0, 3, 5, 7], jnp.int32)
     step = jax.jit(model.decode)
     want_logits, want_cache = step(params, ids, wi[:, None], cache, wi)
-    got_logits, got_cache = step(params, ids, wi[:, None], cache.per_layer(), wi)
-    assert isinstance(got_cache.k, tuple) and len(got_cache.k) == CFG.num_hidden_layers
-    np.testing.assert_allclose(got_logits, want_logits, atol=1e-6, rtol=0)
-    for got, want in zip(got_cache.stacked(), want_cache, strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    split = per_layer_params(params)
+    layers = split["model"]["layers"]
+    assert isinstance(layers, tuple) and len(layers) == CFG.num_hidden_layers
+    np.testing.assert_array_equal(layers[1]["mlp"]["up_proj"]["kernel"],
+                                  params["model"]["layers"]["mlp"]["up_proj"]["kernel"][1])
+    assert per_layer_params(split) is split
+    for p in (params, split):
+        got_logits, got_cache = step(p, ids, wi[:, None], cache.per_layer(), wi)
+        assert isinstance(got_cache.k, tuple) and len(got_cache.k) == CFG.num_hidden_layers
+        np.testing.assert_allclose(got_logits, want_logits, atol=1e-6, rtol=0)
+        for got, want in zip(got_cache.stacked(), want_cache, strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
     assert not np.allclose(want_cache.k, cache.k)  # the step wrote something
 
 

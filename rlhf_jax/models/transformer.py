@@ -50,6 +50,19 @@ class KVCache(NamedTuple):
         return KVCache(*(jnp.stack(c) for c in self))
 
 
+def per_layer_params(params):
+    """`params` of a `CausalLM` / `ValueModel` with the scanned layer stack split into a tuple
+    of L per-layer subtrees: what a decode loop over a `per_layer()` cache closes over, so
+    that each step reads every layer's weights where they lie (a slice of the stacked arrays
+    taken inside the loop is copied out at every step on CPU)."""
+    layers = params["model"]["layers"]
+    if isinstance(layers, tuple):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    split = tuple(jax.tree.map(lambda p, i=i: p[i], layers) for i in range(n))
+    return {**params, "model": {**params["model"], "layers": split}}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _matmul(x, w, nk: int, precision=None):
     """`x [..., K...] @ w [K..., N...]`: x's last `nk` dims against w's first `nk`."""
@@ -345,13 +358,14 @@ class Backbone(nn.Module):
 
     def _per_layer(self, x_btd, positions_bt, mask_bts, cache: KVCache, write_index):
         """The scanned layers unrolled over a `per_layer()` cache: layer i's parameters are
-        its slice of the stacked ones, its cache block is a [1, B, K, S, H] view of its own
-        buffer (index 0: no copy, the write in place)."""
+        its entry of `per_layer_params` (or its slice of the stacked ones), its cache block
+        is a [1, B, K, S, H] view of its own buffer (index 0: no copy, the write in place)."""
         stacked = self.layers.variables["params"]
         layer = DecoderLayer(self.cfg, self.dtype, self.param_dtype, parent=None)
         ks, vs = list(cache.k), list(cache.v)
         for i in range(self.cfg.num_hidden_layers):
-            params = jax.tree.map(lambda p, i=i: p[i], stacked)
+            params = (stacked[i] if isinstance(stacked, tuple)
+                      else jax.tree.map(lambda p, i=i: p[i], stacked))
             carry = (x_btd, (ks[i][None], vs[i][None]))
             (x_btd, (k, v)), _ = layer.apply({"params": params}, carry, positions_bt, mask_bts,
                                              write_index, 0)

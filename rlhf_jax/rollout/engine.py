@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from rlhf_jax.errors import ConfigError, DataError
 from rlhf_jax.mesh import Rules, activation_rules, logical_to_pspec
 from rlhf_jax.models.model import CACHE_AXES, Model, cache_mask
-from rlhf_jax.models.transformer import KVCache
+from rlhf_jax.models.transformer import KVCache, per_layer_params
 from rlhf_jax.rollout.reshard import reshard
 from rlhf_jax.rollout.sampling import SamplingParams, is_eos, request_keys, sample_tokens
 from rlhf_jax.rollout.state import DecodeState, Prefix, ResultTokens, default_buckets, key_data
@@ -467,9 +467,13 @@ class Engine:
                 n_done = jnp.sum(st.done)
                 return (i < k) & (n_done < s) & (n_done < stop_when_done)
 
+            # Each layer's weights are split out once per call, outside the loop, as the
+            # cache is (`per_layer_params`).
+            step_params = per_layer_params(params) if k > 1 else params
+
             def body(carry):
                 i, st, bufs = carry
-                st, outs = self._step(params, st, sampler)
+                st, outs = self._step(step_params, st, sampler)
                 bufs = tuple(jax.lax.dynamic_update_slice(b_, o[:, None], (0, i))
                              for b_, o in zip(bufs, outs, strict=True))
                 return i + 1, st, bufs
