@@ -5,7 +5,9 @@ Each name is a module `rlhf_jax/benchmarks/<name>.py` with `run() -> dict` of fl
 figure is a ratio to a reference measured in the same run, on the same machine:
 
 - `ppo.tokens_per_s`, `ppo.flop_bound_ratio` (iteration FLOPs over measured matmul peak x
-  seconds), `ppo.stage.<stage>` seconds: one PPO iteration of WORKLOAD.md, (1,1,1) mesh.
+  seconds), `ppo.stage.<stage>` seconds: one PPO iteration of WORKLOAD.md, (1,1,1) mesh. With
+  `--trl-python PYTHON` (an environment with torch, transformers and trl 1.12), also TRL's PPO
+  on the same workload, in turns with ours: `ppo.trl.*` and `ppo.ratio_to_trl`.
 - `mfu.ratio`: train-step model FLOP/s over the measured f32 matmul peak.
 - `reshard.ratio_to_copy`: train -> generate layout seconds over a copy of the same bytes.
 - `gae.speedup`: verl's NumPy GAE loop seconds over the compiled GAE's.
@@ -24,7 +26,7 @@ import pkgutil
 import sys
 import time
 
-NOT_BENCHMARKS = {"common"}
+NOT_BENCHMARKS = {"common", "peers"}
 
 
 def available() -> list[str]:
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("benchmarks", nargs="*", default=["all"], metavar="NAME",
                    help=f"one or more of: {', '.join(names)}, all (default)")
+    p.add_argument("--trl-python", metavar="PYTHON",
+                   help="ppo: also run TRL's PPO on the workload with this Python, in turns")
     args = p.parse_args(argv)
     chosen = names if "all" in args.benchmarks else args.benchmarks
     unknown = [n for n in chosen if n not in names]
@@ -46,12 +50,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown benchmark {unknown[0]!r} (known: {', '.join(names)}, all)",
               file=sys.stderr)
         return 2
+    if args.trl_python and "ppo" not in chosen:
+        print("error: --trl-python goes with the ppo benchmark", file=sys.stderr)
+        return 2
     from rlhf_jax.benchmarks.common import device_info, peak_rss_mb, versions
+    from rlhf_jax.errors import UserError
 
     result: dict = {}
     for name in chosen:
+        kw = {"trl_python": args.trl_python} if name == "ppo" and args.trl_python else {}
         t0 = time.perf_counter()
-        result.update(importlib.import_module(f"rlhf_jax.benchmarks.{name}").run())
+        try:
+            result.update(importlib.import_module(f"rlhf_jax.benchmarks.{name}").run(**kw))
+        except UserError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         result[f"{name}.wall_seconds"] = time.perf_counter() - t0
     result.update({"devices": device_info(), "versions": versions(),
                    "peak_rss_mb": peak_rss_mb()})

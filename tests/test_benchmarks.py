@@ -4,10 +4,13 @@ No timing assertions: the machine is shared, only the shape and sanity of the ou
 """
 
 import math
+import re
+import sys
 
 import pytest
 
 from rlhf_jax.benchmarks import decode, gae, memory, mfu, ppo, reshard
+from rlhf_jax.errors import UserError
 
 
 def _finite(out: dict, prefix: str):
@@ -25,6 +28,72 @@ def test_ppo_small():
     assert out["ppo.tokens_per_s"] > 0 and out["ppo.flop_bound_ratio"] > 0
     assert out["ppo.compiles_measured"] == 0  # every step compiled during the warm-up
     assert out["ppo.trl_tokens_per_s_reference"] == ppo.TRL_TOKENS_PER_S
+
+
+FAKE_PEER = """
+import json, pathlib, sys
+log = pathlib.Path(sys.argv[0]).with_name("calls.txt")
+calls = log.read_text().splitlines() if log.exists() else []
+log.write_text("\\n".join([*calls, " ".join(sys.argv[1:])]))
+if "--check" in sys.argv:
+    print(json.dumps({"trl.versions": {"trl": "fake"}}))
+    sys.exit(0)
+n = int(sys.argv[sys.argv.index("--iterations") + 1])
+x = [1.0, 3.0][len(calls) - 1]  # this run's measured seconds: 1 in the first run, 3 in the next
+seconds = [9.0] * 2 + [x] * (n - 2)
+print("TRL log line")
+print(json.dumps({"trl.iteration_seconds": seconds, "trl.gen_seconds": [s / 4 for s in seconds],
+                  "trl.update_seconds": [s / 2 for s in seconds],
+                  "trl.rollout_other_seconds": [s / 4 for s in seconds],
+                  "trl.versions": {"trl": "fake"}, "trl.checks": {"reward_ok": True}}))
+"""
+
+
+def _fake_peer(tmp_path, monkeypatch, source=FAKE_PEER):
+    script = tmp_path / "trl_ppo.py"
+    script.write_text(source)
+    monkeypatch.setattr(ppo, "TRL_SCRIPT", script)
+    return tmp_path / "calls.txt"
+
+
+def test_ppo_runs_in_turns_with_trl(tmp_path, monkeypatch):
+    """One TRL run per round between this trainer's measured iterations; TRL's figures are
+    medians over its measured iterations of every run, and the ratio is ours over TRL's."""
+    calls = _fake_peer(tmp_path, monkeypatch)
+    out = ppo.run(small=True, trl_python=sys.executable, rounds=2)
+    assert calls.read_text().splitlines() == ["--check", "--iterations 3", "--iterations 3"]
+    assert out["ppo.trl.runs"] == 2 and out["ppo.measured_iterations"] == 2
+    assert out["ppo.trl.seconds_per_iteration"] == pytest.approx(2.0)  # median of 1 and 3
+    assert out["ppo.trl.stage.update"] == pytest.approx(1.0)
+    assert out["ppo.trl.stage.gen"] == pytest.approx(0.5)
+    tokens = 4 * (8 + 8)
+    assert out["ppo.trl.tokens_per_s"] == pytest.approx(tokens / 2.0)
+    assert out["ppo.ratio_to_trl"] == pytest.approx(out["ppo.tokens_per_s"] / (tokens / 2.0))
+    assert out["ppo.trl.versions"] == {"trl": "fake"}
+    if "ppo.cpu_steal_fraction" in out:
+        assert 0 <= out["ppo.cpu_steal_fraction"] <= 1
+
+
+@pytest.mark.parametrize("source, message", [
+    ("import sys; print('Traceback ...', file=sys.stderr)\n"
+     "print(\"ModuleNotFoundError: No module named 'trl'\", file=sys.stderr); sys.exit(1)",
+     "trl_ppo.py exited with 1: ModuleNotFoundError: No module named 'trl'"),
+    ("print('not json')", "printed no JSON object"),
+    ("import json; print(json.dumps({'trl.checks': {'reward_ok': False, 'shape_ok': True}}))",
+     "failed the workload checks reward_ok"),
+])
+def test_a_broken_trl_peer_is_one_clear_error(tmp_path, monkeypatch, source, message):
+    _fake_peer(tmp_path, monkeypatch, source)
+    with pytest.raises(UserError, match=re.escape(message)) as exc:
+        ppo.run_trl(sys.executable, "--check")
+    assert str(exc.value).startswith(f"--trl-python {sys.executable}: ")
+    assert "\n" not in str(exc.value)
+
+
+def test_a_missing_trl_python_fails_before_any_work(tmp_path):
+    missing = str(tmp_path / "no-such-python")
+    with pytest.raises(UserError, match=f"--trl-python {re.escape(missing)}: cannot run it"):
+        ppo.run(trl_python=missing)
 
 
 def test_workload_flops_matches_workload_md():
@@ -81,3 +150,5 @@ def test_bench_script_lists_every_benchmark():
     spec.loader.exec_module(bench)
     assert bench.available() == ["decode", "gae", "memory", "mfu", "ppo", "reshard", "rollout"]
     assert bench.main(["nope"]) == 2
+    assert bench.main(["gae", "--trl-python", sys.executable]) == 2  # TRL goes with ppo only
+    assert bench.main(["ppo", "--trl-python", "/no/such/python"]) == 2  # one line, no traceback

@@ -93,6 +93,23 @@ def peak_rss_mb() -> float:
     return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(steal, total) CPU ticks of the machine so far, from Linux `/proc/stat`; None elsewhere.
+
+    Steal is the time a hypervisor ran something else while this VM had work: the share of it
+    over an interval tells a slow run of a shared machine from a slow program.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return ticks[7], sum(ticks)
+
+
 def versions(packages=("jax", "jaxlib", "flax", "numpy", "optax")) -> dict[str, str]:
     out = {"python": platform.python_version()}
     for name in packages:

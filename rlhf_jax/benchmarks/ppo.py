@@ -19,6 +19,14 @@ iterations, a fresh batch of prompts each; every figure is a median over the mea
   update), which gives WORKLOAD.md's ~9 %.
 - `ppo.trl_tokens_per_s_reference`: TRL's figure from WORKLOAD.md, a reference measured
   there (idle machine, 2026-12-02), not in this run.
+- With `trl_python` (`scripts/bench.py ppo --trl-python PYTHON`, the Python of an environment
+  with torch, transformers and trl 1.12): TRL's PPOTrainer on the same workload
+  (`peers/trl_ppo.py`, a subprocess), in turns with this trainer: warm-up, then `rounds` times
+  one TRL run (2 warm-up + `repeats` iterations) and `repeats` iterations here. `ppo.trl.*` are
+  TRL's figures (medians over every measured TRL iteration), `ppo.ratio_to_trl` our tokens/s
+  over TRL's, both from this run. Target: >= 1.5.
+- `ppo.cpu_steal_fraction`: the share of CPU time the hypervisor took during the measured
+  iterations (Linux `/proc/stat`; absent elsewhere): a slow run of a shared VM shows here.
 - `ppo.compiles_measured`: XLA compilations during the measured iterations (0 if every step
   compiles once).
 """
@@ -26,7 +34,10 @@ iterations, a fresh batch of prompts each; every figure is a median over the mea
 from __future__ import annotations
 
 import functools
+import json
+import pathlib
 import statistics
+import subprocess
 import time
 
 import jax
@@ -37,16 +48,20 @@ from rlhf_jax import batching, ppo
 from rlhf_jax import train_steps as ts
 from rlhf_jax.benchmarks.common import (
     WORKLOAD_PAD_ID,
+    cpu_ticks,
     peak_rss_mb,
     workload_model_config,
     workload_prompts,
 )
 from rlhf_jax.benchmarks.mfu import FAST_COMPILE, CompileCounter, matmul_peak_flops
+from rlhf_jax.errors import UserError
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model
 from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, reshard
 
 TRL_TOKENS_PER_S = 1368.0  # WORKLOAD.md, TRL 1.12 PPO on the idle 2-core machine
+TRL_SCRIPT = pathlib.Path(__file__).parent / "peers" / "trl_ppo.py"
+TRL_WARMUP = 2  # the warm-up iterations of every TRL run (peers/trl_ppo.py)
 STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic",
           "update_actor", "update_weights")
 
@@ -212,11 +227,55 @@ class PPOIteration:
         return {**watch.times, "step": time.perf_counter() - t0}
 
 
-def run(*, small: bool = False, warmup: int = 2, repeats: int = 5, **overrides) -> dict:
+def run_trl(python: str, *args: str) -> dict:
+    """The JSON object of `peers/trl_ppo.py *args` run by `python`; a `UserError` naming
+    `python` if it cannot run, fails, or its run breaks one of the workload's checks."""
+    cmd = [python, str(TRL_SCRIPT), *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise UserError(f"--trl-python {python}: cannot run it ({exc.strerror})") from exc
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise UserError(f"--trl-python {python}: {TRL_SCRIPT.name} exited with "
+                        f"{proc.returncode}: {last}")
+    try:
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise UserError(f"--trl-python {python}: {TRL_SCRIPT.name} printed no JSON object "
+                        f"on its last line") from None
+    failed = sorted(k for k, v in out.get("trl.checks", {}).items() if v is False)
+    if failed:
+        raise UserError(f"--trl-python {python}: TRL's run failed the workload checks "
+                        f"{', '.join(failed)}")
+    return out
+
+
+def _trl_figures(runs: list[dict], tokens: int) -> dict:
+    """Medians over the measured iterations of every TRL run."""
+    pooled = lambda key: statistics.median(x for r in runs for x in r[key][TRL_WARMUP:])
+    seconds = pooled("trl.iteration_seconds")
+    return {
+        "ppo.trl.seconds_per_iteration": seconds,
+        "ppo.trl.tokens_per_s": tokens / seconds,
+        "ppo.trl.stage.gen": pooled("trl.gen_seconds"),
+        "ppo.trl.stage.rollout_other": pooled("trl.rollout_other_seconds"),
+        "ppo.trl.stage.update": pooled("trl.update_seconds"),
+        "ppo.trl.runs": len(runs),
+        "ppo.trl.versions": runs[0]["trl.versions"],
+    }
+
+
+def run(*, small: bool = False, warmup: int = 2, repeats: int = 5,
+        trl_python: str | None = None, rounds: int = 2, **overrides) -> dict:
     """The WORKLOAD.md iteration, or with `small=True` a shrunken one for the smoke test.
 
-    `overrides` go to `PPOIteration` (e.g. `steps_per_call=64` to try a rollout setting).
+    `trl_python`: also run TRL's PPO on the workload, `rounds` times, in turns with this
+    trainer's measured iterations (see the module doc). `overrides` go to `PPOIteration`
+    (e.g. `steps_per_call=64` to try a rollout setting).
     """
+    if trl_python is not None:
+        run_trl(trl_python, "--check")  # a broken environment fails before any work here
     kw = dict(batch=32, prompt_len=64, new_tokens=64, micro_batch=8)
     if small:
         from rlhf_jax.models import ModelConfig
@@ -230,16 +289,24 @@ def run(*, small: bool = False, warmup: int = 2, repeats: int = 5, **overrides) 
         warmup, repeats = 1, 1
     kw.update(overrides)
     it = PPOIteration(**kw)
-    prompts = workload_prompts(warmup + repeats, kw["batch"], kw["prompt_len"])
+    rounds = rounds if trl_python is not None else 1
+    prompts = workload_prompts(warmup + repeats * rounds, kw["batch"], kw["prompt_len"])
     if small:
         prompts = prompts % it.actor_model.cfg.vocab_size
     counter = CompileCounter()
-    records, peaks = [], []
-    for i in range(warmup + repeats):
-        with counter.counting(i >= warmup):
-            rec = it.step(prompts[i])
-        if i >= warmup:
-            records.append(rec)
+    records, peaks, trl_runs, steal = [], [], [], [0, 0]
+    for i in range(warmup):
+        it.step(prompts[i])
+    for r in range(rounds):
+        if trl_python is not None:
+            trl_runs.append(run_trl(trl_python, "--iterations", str(TRL_WARMUP + repeats)))
+        for j in range(repeats):
+            before = cpu_ticks()
+            with counter.counting(True):
+                records.append(it.step(prompts[warmup + r * repeats + j]))
+            after = cpu_ticks()
+            if before and after:
+                steal = [steal[0] + after[0] - before[0], steal[1] + after[1] - before[1]]
             # the peak right after each iteration, under the same load of a shared machine
             peaks.append(matmul_peak_flops(repeats=3 if small else 5))
     peak = statistics.median(peaks)
@@ -257,10 +324,16 @@ def run(*, small: bool = False, warmup: int = 2, repeats: int = 5, **overrides) 
         "ppo.flop_bound_ratio": flops / (peak * seconds),
         "ppo.trl_tokens_per_s_reference": TRL_TOKENS_PER_S,
         "ppo.ratio_to_trl_reference": tokens / seconds / TRL_TOKENS_PER_S,
+        "ppo.measured_iterations": len(records),
         "ppo.compiles_measured": counter.count,
         "ppo.devices": jax.device_count(),
         "ppo.peak_rss_mb": peak_rss_mb(),
     }
+    if steal[1] > 0:
+        out["ppo.cpu_steal_fraction"] = steal[0] / steal[1]
+    if trl_runs:
+        out.update(_trl_figures(trl_runs, tokens))
+        out["ppo.ratio_to_trl"] = out["ppo.tokens_per_s"] / out["ppo.trl.tokens_per_s"]
     for r in records:  # outside every stage: batch placement, host fetches
         r["other"] = r["step"] - sum(r[s] for s in STAGES)
     out.update({f"ppo.stage.{s}": med(s) for s in (*STAGES, "other")})

@@ -1,0 +1,1 @@
+"""Peer trainers on the same workload, run as scripts in their own environments."""
