@@ -80,7 +80,7 @@ def actor_model(cfg) -> Model:
     m = cfg.actor_rollout_ref.model
     return Model(
         load_model_config(m.path, dict(m.override_config)), "lm", m.compute_dtype,
-        m.param_dtype, m.enable_gradient_checkpointing,
+        m.param_dtype, m.enable_gradient_checkpointing, m.scan_layers,
     )
 
 
@@ -93,5 +93,5 @@ def critic_model(cfg) -> tuple[Model, str]:
         raise ModelError(f"critic.model.path {path!r} has no config.json")
     overrides = dict(c.override_config) if c.path else dict(m.override_config)
     model = Model(load_model_config(path, overrides), "value", m.compute_dtype, m.param_dtype,
-                  c.enable_gradient_checkpointing)
+                  c.enable_gradient_checkpointing, c.scan_layers)
     return model, path

@@ -63,7 +63,8 @@ def _sft_step(state: ts.TrainState, seqs: ts.Sequences, smooth_over, *, model, t
             nll = (1.0 - label_smoothing) * nll + label_smoothing * uniform
         return masked_mean(nll, seqs.response_mask)
 
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    loss, grads = jax.value_and_grad(loss_fn)(model.split_layers(state.params))
+    grads = model.stack_layers(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     return state._replace(params=params, opt_state=opt_state, step=state.step + 1), loss

@@ -194,6 +194,8 @@ def log_probs_step(params, seqs: Sequences, *, model: Model, temperature: float,
       log_probs `[K, m, R]` (and entropy `[K, m, R]` if `with_entropy`).
     """
 
+    params = model.split_layers(params)  # once, not per chunk
+
     def one(chunk: Sequences):
         logits = response_logits(model, params, chunk, temperature)
         logp = core_algos.logprobs_from_logits(logits, chunk.responses)
@@ -206,6 +208,7 @@ def log_probs_step(params, seqs: Sequences, *, model: Model, temperature: float,
 
 def values_step(params, seqs: Sequences, *, model: Model):
     """Critic values `[K, m, R]` of `[K, m, ...]` chunks."""
+    params = model.split_layers(params)
     return jax.lax.map(lambda chunk: response_values(model, params, chunk), seqs)
 
 
@@ -255,26 +258,30 @@ def _critic_micro_loss(params, mb, token_count, seq_count, *, model: Model, loss
     return vf_loss, metrics
 
 
-def _update(state: TrainState, micro_batches, counts, *, micro_loss, tx, schedule,
-            grad_clip: float, prefix: str):
+def _update(state: TrainState, micro_batches, counts, *, model: Model, micro_loss, tx,
+            schedule, grad_clip: float, prefix: str):
     """All optimizer updates of one PPO update: scan over U updates, each over K micro-batches."""
 
     def one_update(state: TrainState, xs):
         mbs, token_count, seq_count = xs
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+        # Split outside the gradient: the micro-batches' gradients accumulate per layer and
+        # are stacked once, instead of each scattering into zeros of the stacked shape.
+        params = model.split_layers(state.params)
 
         def accumulate(carry, mb):
             grads, metrics = carry
-            (_, m), g = grad_fn(state.params, mb, token_count, seq_count)
+            (_, m), g = grad_fn(params, mb, token_count, seq_count)
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, metrics, m)), None
 
-        zeros_g = jax.tree.map(jnp.zeros_like, state.params)
+        zeros_g = jax.tree.map(jnp.zeros_like, params)
         first = jax.tree.map(lambda x: x[0], mbs)
         zeros_m = jax.tree.map(
             jnp.zeros_like,
-            jax.eval_shape(lambda: micro_loss(state.params, first, token_count, seq_count)[1]),
+            jax.eval_shape(lambda: micro_loss(params, first, token_count, seq_count)[1]),
         )
         (grads, metrics), _ = jax.lax.scan(accumulate, (zeros_g, zeros_m), mbs)
+        grads = model.stack_layers(grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         scale = jnp.minimum(1.0, grad_clip / (grad_norm + 1e-6)) if grad_clip > 0 else 1.0
@@ -307,7 +314,7 @@ def actor_update(state: TrainState, batch: ActorBatch, *, model: Model, loss: Ac
     mbs = (batch.seqs, batch.old_log_probs, batch.advantages, batch.ref_log_probs)
     updates = batch.token_count.shape[0]  # U optimizer updates make one training step
     state, metrics = _update(
-        state, mbs, (batch.token_count, batch.seq_count), micro_loss=micro_loss,
+        state, mbs, (batch.token_count, batch.seq_count), model=model, micro_loss=micro_loss,
         tx=make_optimizer(optim, updates), schedule=step_schedule(optim, updates),
         grad_clip=optim.grad_clip, prefix="actor",
     )
@@ -323,7 +330,7 @@ def critic_update(state: TrainState, batch: CriticBatch, *, model: Model, loss: 
     mbs = (batch.seqs, batch.values, batch.returns)
     updates = batch.token_count.shape[0]
     return _update(
-        state, mbs, (batch.token_count, batch.seq_count), micro_loss=micro_loss,
+        state, mbs, (batch.token_count, batch.seq_count), model=model, micro_loss=micro_loss,
         tx=make_optimizer(optim, updates), schedule=step_schedule(optim, updates),
         grad_clip=optim.grad_clip, prefix="critic",
     )

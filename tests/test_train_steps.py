@@ -47,11 +47,11 @@ def _arrange(plan, seqs, extra, mesh, axes):
     return batching.put(host, mesh, axes, lead=2), tok, sq
 
 
-def _run_actor(mesh_name, micro, mode="token-mean", kind="actor"):
+def _run_actor(mesh_name, micro, mode="token-mean", kind="actor", **model_kw):
     spec = load_mesh_spec(mesh_name)
     mesh = make_mesh(spec)
     axes = dict(spec.train_rules)["batch"]
-    model = Model(CFG, kind="lm" if kind == "actor" else "value")
+    model = Model(CFG, kind="lm" if kind == "actor" else "value", **model_kw)
     params = model.init(jax.random.key(0), mesh, spec.train_rules)
     optim = ts.OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
     state = ts.init_state(params, ts.make_optimizer(optim))
@@ -103,6 +103,19 @@ def test_sharded_update_equals_single_device_and_params_move():
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
                 "actor/kl_loss", "actor/grad_norm", "actor/lr"):
         assert np.isfinite(m1[key]) and key in m8
+
+
+@pytest.mark.parametrize("kind", ["actor", "critic"])
+def test_scanned_and_unrolled_layers_update_alike(kind):
+    """The updates with the layer stack scanned, sharded (2,2,2) and rematerialised, equal
+    the default one (2 layers: unrolled, gradients per layer stacked once per update)."""
+    assert not Model(CFG).scans_layers
+    p1, m1, _ = _run_actor("single", 8, kind=kind)
+    p8, m8, _ = _run_actor("cpu-8", 4, kind=kind, scan_layers=True, remat=True)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    for k in m1:
+        np.testing.assert_allclose(m1[k], m8[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
 def test_entropy_enters_the_gradient_only_with_a_bonus():

@@ -63,6 +63,8 @@ class ModelConfig(Section):
     compute_dtype: Dtype = "float32"
     # verl turns this on by default for its FSDP workers; here it is opt-in (tiny models).
     enable_gradient_checkpointing: bool = False
+    # The layer stack as a lax.scan (true) or unrolled (false); null: unrolled up to 8 layers.
+    scan_layers: bool | None = None
     override_config: FrozenDict = _factory(FrozenDict)  # HF config.json fields to replace
     use_remove_padding: bool = False
 
@@ -165,6 +167,7 @@ class CriticModelConfig(Section):
     tokenizer_path: str | None = None  # null -> the actor's tokenizer
     override_config: FrozenDict = _factory(FrozenDict)
     enable_gradient_checkpointing: bool = False
+    scan_layers: bool | None = None  # null: unrolled up to 8 layers
 
 
 @_section
@@ -222,6 +225,15 @@ class KLCtrlConfig(Section):
 
 
 @_section
+class RolloutCorrectionConfig(Section):
+    """`algorithm.rollout_correction.*`: verl's bypass mode only (its importance-sampling and
+    rejection keys are not implemented): PPO's old log-probs are the rollout engine's own,
+    taken while sampling, and the trainer skips its old_log_prob forward pass."""
+
+    bypass_mode: bool = False
+
+
+@_section
 class AlgorithmConfig(Section):
     """`algorithm.*`: advantages and the KL penalty."""
 
@@ -232,6 +244,7 @@ class AlgorithmConfig(Section):
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"  # kl|k1|abs|mse|k2|low_var_kl|k3 (optionally with "+") or full
     kl_ctrl: KLCtrlConfig = _factory(KLCtrlConfig)
+    rollout_correction: RolloutCorrectionConfig = _factory(RolloutCorrectionConfig)
 
 
 @_section

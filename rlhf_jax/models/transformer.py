@@ -52,15 +52,27 @@ class KVCache(NamedTuple):
 
 def per_layer_params(params):
     """`params` of a `CausalLM` / `ValueModel` with the scanned layer stack split into a tuple
-    of L per-layer subtrees: what a decode loop over a `per_layer()` cache closes over, so
-    that each step reads every layer's weights where they lie (a slice of the stacked arrays
-    taken inside the loop is copied out at every step on CPU)."""
+    of L per-layer subtrees; the forward then runs its layers unrolled, each reading its own
+    weights where they lie. A decode loop over a `per_layer()` cache closes over this form
+    (a slice of the stacked arrays taken inside the loop is copied out at every step on
+    CPU), and so does a training step that unrolls its layers (`stacked_params` puts the
+    gradients back). Idempotent."""
     layers = params["model"]["layers"]
     if isinstance(layers, tuple):
         return params
     n = jax.tree.leaves(layers)[0].shape[0]
     split = tuple(jax.tree.map(lambda p, i=i: p[i], layers) for i in range(n))
     return {**params, "model": {**params["model"], "layers": split}}
+
+
+def stacked_params(params):
+    """The inverse of `per_layer_params` (any tree of that structure, e.g. its gradients):
+    the layer stack as [L, ...] arrays again. Idempotent."""
+    layers = params["model"]["layers"]
+    if not isinstance(layers, tuple):
+        return params
+    stacked = jax.tree.map(lambda *p: jnp.stack(p), *layers)
+    return {**params, "model": {**params["model"], "layers": stacked}}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -344,8 +356,10 @@ class Backbone(nn.Module):
 
     def __call__(self, input_ids_bt, positions_bt, mask_bts, cache=None, write_index=None):
         x_btd = constrain(self.embed_tokens(input_ids_bt), ("batch", "act_length", "act_embed"))
-        if cache is not None and isinstance(cache.k, tuple):
-            x_btd, new_cache = self._per_layer(x_btd, positions_bt, mask_bts, cache, write_index)
+        split = not self.is_initializing() and isinstance(
+            self.layers.variables["params"], tuple)
+        if split or (cache is not None and isinstance(cache.k, tuple)):
+            x_btd, new_cache = self._unrolled(x_btd, positions_bt, mask_bts, cache, write_index)
             return self.norm(x_btd), new_cache
         # The cache rides in the scan's carry, whole, with each layer's index as the scanned
         # input: scanning over it as xs / ys would copy every layer's block out and back in
@@ -356,21 +370,36 @@ class Backbone(nn.Module):
         new_cache = None if cache is None else KVCache(*new)
         return self.norm(x_btd), new_cache
 
-    def _per_layer(self, x_btd, positions_bt, mask_bts, cache: KVCache, write_index):
-        """The scanned layers unrolled over a `per_layer()` cache: layer i's parameters are
-        its entry of `per_layer_params` (or its slice of the stacked ones), its cache block
-        is a [1, B, K, S, H] view of its own buffer (index 0: no copy, the write in place)."""
+    def _unrolled(self, x_btd, positions_bt, mask_bts, cache: KVCache | None, write_index):
+        """The scanned layers unrolled, one after another: layer i's parameters are its entry
+        of `per_layer_params` (or its slice of the stacked ones); with a `per_layer()` cache
+        its block is a [1, B, K, S, H] view of its own buffer (index 0: no copy, the write in
+        place). A stacked cache goes in per layer and comes back stacked."""
         stacked = self.layers.variables["params"]
         layer = DecoderLayer(self.cfg, self.dtype, self.param_dtype, parent=None)
-        ks, vs = list(cache.k), list(cache.v)
+
+        def run(params, x_btd, kv):
+            (x_btd, kv), _ = layer.apply({"params": params}, (x_btd, kv), positions_bt,
+                                         mask_bts, write_index, None if kv is None else 0)
+            return x_btd, kv
+
+        if self.remat:
+            run = jax.checkpoint(run)
+        restack = cache is not None and not isinstance(cache.k, tuple)
+        if restack:
+            cache = cache.per_layer()
+        ks, vs = (None, None) if cache is None else (list(cache.k), list(cache.v))
         for i in range(self.cfg.num_hidden_layers):
             params = (stacked[i] if isinstance(stacked, tuple)
                       else jax.tree.map(lambda p, i=i: p[i], stacked))
-            carry = (x_btd, (ks[i][None], vs[i][None]))
-            (x_btd, (k, v)), _ = layer.apply({"params": params}, carry, positions_bt, mask_bts,
-                                             write_index, 0)
-            ks[i], vs[i] = k[0], v[0]
-        return x_btd, KVCache(tuple(ks), tuple(vs))
+            kv = None if cache is None else (ks[i][None], vs[i][None])
+            x_btd, kv = run(params, x_btd, kv)
+            if cache is not None:
+                ks[i], vs[i] = kv[0][0], kv[1][0]
+        if cache is None:
+            return x_btd, None
+        new_cache = KVCache(tuple(ks), tuple(vs))
+        return x_btd, new_cache.stacked() if restack else new_cache
 
     def attend(self, x_btd):
         return self.embed_tokens.attend(x_btd)
