@@ -289,13 +289,19 @@ class Trainer(Recovery):
             seqs = self._seqs(ro, self._chunk())
             flat = lambda x: batching.unchunk(x)
             mask = jax.numpy.asarray(ro.response_mask, jax.numpy.float32)
-            with timer("old_log_prob"):
-                old_logp = flat(self.log_probs(self.actor.params, seqs)).block_until_ready()
-            metrics["training/old_log_prob_recomputed"] = 1.0
-            mx, mean = ppo.rollout_probs_diff(jax.numpy.asarray(ro.rollout_log_probs),
-                                              old_logp, mask)
-            metrics["training/rollout_probs_diff_max"] = float(mx)
-            metrics["training/rollout_probs_diff_mean"] = float(mean)
+            if cfg.algorithm.rollout_correction.bypass_mode:
+                # verl's bypass mode: the engine's log-probs of the tokens it sampled (the
+                # policy that generated them) are PPO's old log-probs; no forward pass.
+                old_logp = jax.numpy.asarray(ro.rollout_log_probs) * mask
+                metrics["training/old_log_prob_recomputed"] = 0.0
+            else:
+                with timer("old_log_prob"):
+                    old_logp = flat(self.log_probs(self.actor.params, seqs)).block_until_ready()
+                metrics["training/old_log_prob_recomputed"] = 1.0
+                mx, mean = ppo.rollout_probs_diff(jax.numpy.asarray(ro.rollout_log_probs),
+                                                  old_logp, mask)
+                metrics["training/rollout_probs_diff_max"] = float(mx)
+                metrics["training/rollout_probs_diff_mean"] = float(mean)
             ref_logp = None
             if self.ref_params is not None:
                 with timer("ref"):

@@ -28,6 +28,8 @@ def test_ppo_small():
     assert out["ppo.tokens_per_s"] > 0 and out["ppo.flop_bound_ratio"] > 0
     assert out["ppo.compiles_measured"] == 0  # every step compiled during the warm-up
     assert out["ppo.trl_tokens_per_s_reference"] == ppo.TRL_TOKENS_PER_S
+    assert out["ppo.bypass.tokens_per_s"] == pytest.approx(
+        4 * 16 / out["ppo.bypass.seconds_per_iteration"])
 
 
 FAKE_PEER = """
@@ -69,6 +71,8 @@ def test_ppo_runs_in_turns_with_trl(tmp_path, monkeypatch):
     tokens = 4 * (8 + 8)
     assert out["ppo.trl.tokens_per_s"] == pytest.approx(tokens / 2.0)
     assert out["ppo.ratio_to_trl"] == pytest.approx(out["ppo.tokens_per_s"] / (tokens / 2.0))
+    assert out["ppo.bypass.ratio_to_trl"] == pytest.approx(
+        out["ppo.bypass.tokens_per_s"] / (tokens / 2.0))
     assert out["ppo.trl.versions"] == {"trl": "fake"}
     if "ppo.cpu_steal_fraction" in out:
         assert 0 <= out["ppo.cpu_steal_fraction"] <= 1

@@ -151,6 +151,37 @@ def test_derived_defaults_are_filled_in():
         "out/rlhf_jax")
 
 
+@pytest.mark.parametrize("override", ["actor_rollout_ref.rollout.top_k=5",
+                                      "actor_rollout_ref.rollout.top_p=0.9",
+                                      "actor_rollout_ref.rollout.do_sample=false"])
+def test_bypass_mode_needs_plain_sampling(override):
+    assert minimal("algorithm.rollout_correction.bypass_mode=true").algorithm.rollout_correction
+    with pytest.raises(ConfigError, match=r"^algorithm.rollout_correction.bypass_mode: needs "
+                                          r"plain sampling \(actor_rollout_ref.rollout"):
+        minimal("algorithm.rollout_correction.bypass_mode=true", override)
+    with pytest.raises(ConfigError, match="only bypass_mode is implemented"):
+        minimal("algorithm.rollout_correction.rollout_is=token")
+
+
+def test_scan_layers_reaches_the_models(tmp_path):
+    import json
+
+    from rlhf_jax import roles
+
+    hf = dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    path = f"actor_rollout_ref.model.path={tmp_path}"
+    cfg = load_config(None, ["data.train_files=t.parquet", path])
+    assert roles.actor_model(cfg).scan_layers is None
+    assert not roles.actor_model(cfg).scans_layers  # 2 layers: unrolled
+    cfg = load_config(None, ["data.train_files=t.parquet", path,
+                             "actor_rollout_ref.model.scan_layers=true",
+                             "critic.model.scan_layers=false"])
+    assert roles.actor_model(cfg).scans_layers
+    assert roles.critic_model(cfg)[0].scan_layers is False
+
+
 # ---------------------------------------------------------------- overrides
 
 def test_overrides_nested_list_null_and_strings():

@@ -45,6 +45,23 @@ def test_ppo_on_2x2x2_equals_1x1x1(tmp_path):
     assert [r["from_step"] for r in resumed] == [2]
 
 
+def test_bypass_mode_takes_the_engines_log_probs(tmp_path):
+    """verl's bypass mode: no old_log_prob pass; the engine's log-probs under the tempered
+    policy are PPO's old ones. One mini-batch, one epoch: the update starts on-policy, so its
+    ratio is 1 (untempered log-probs would be off by far more at temperature 0.7)."""
+    last = train(tiny(tmp_path, **{
+        "algorithm.rollout_correction.bypass_mode": True,
+        "actor_rollout_ref.rollout.temperature": 0.7,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
+        "actor_rollout_ref.actor.ppo_epochs": 1,
+        "trainer.total_training_steps": 1, "trainer.test_freq": -1,
+    }))[-1]
+    assert last["training/old_log_prob_recomputed"] == 0.0
+    assert "timing_s/old_log_prob" not in last and "training/rollout_probs_diff_max" not in last
+    assert abs(last["actor/ppo_kl"]) < 1e-5 and last["actor/pg_clipfrac"] == 0.0
+    assert np.isfinite(last["actor/pg_loss"]) and last["timing_s/update_actor"] > 0
+
+
 def test_grpo_without_critic(tmp_path):
     history = train(tiny(tmp_path, "grpo_tiny_cpu.yaml"))
     last = history[-1]

@@ -25,6 +25,11 @@ iterations, a fresh batch of prompts each; every figure is a median over the mea
   one TRL run (2 warm-up + `repeats` iterations) and `repeats` iterations here. `ppo.trl.*` are
   TRL's figures (medians over every measured TRL iteration), `ppo.ratio_to_trl` our tokens/s
   over TRL's, both from this run. Target: >= 1.5.
+- `ppo.bypass.*`: the same iteration with verl's bypass mode
+  (`algorithm.rollout_correction.bypass_mode=true`): the old log-probs are the engine's,
+  taken while sampling, as TRL takes them; no old_log_prob stage. Run right after each
+  measured iteration on the same prompts: `seconds_per_iteration`, `tokens_per_s` and,
+  with TRL, `ratio_to_trl`. The main figures above keep verl's default (recomputed).
 - `ppo.cpu_steal_fraction`: the share of CPU time the hypervisor took during the measured
   iterations (Linux `/proc/stat`; absent elsewhere): a slow run of a shared VM shows here.
 - `ppo.compiles_measured`: XLA compilations during the measured iterations (0 if every step
@@ -168,8 +173,11 @@ class PPOIteration:
         dev = batching.put(host, self.mesh, self.batch_axes, lead=2)
         return dev, token_count, seq_count
 
-    def step(self, prompts_bp: np.ndarray) -> dict[str, float]:
-        """One PPO iteration on `[B, P]` prompts; returns seconds per stage and `step`."""
+    def step(self, prompts_bp: np.ndarray, bypass: bool = False) -> dict[str, float]:
+        """One PPO iteration on `[B, P]` prompts; returns seconds per stage and `step`.
+
+        `bypass`: verl's `algorithm.rollout_correction.bypass_mode`, the trainer's option
+        that takes the engine's log-probs as the old ones (no old_log_prob stage)."""
         watch, t0 = Stopwatch(), time.perf_counter()
         seed = jax.random.fold_in(jax.random.key(self.seed + 1), self.step_count)
         prompt_mask = np.ones_like(prompts_bp)
@@ -184,8 +192,11 @@ class PPOIteration:
             ro.responses.astype(np.int32), ro.response_mask.astype(np.int32))
         seqs = batching.put(jax.tree.map(lambda x: batching.chunked(x, self.micro), seqs_host),
                             self.mesh, self.batch_axes, lead=1)
-        old = watch("old_log_prob", lambda: batching.unchunk(
-            self.log_probs(self.actor.params, seqs)))
+        if bypass:
+            old = jnp.asarray(ro.rollout_log_probs) * jnp.asarray(ro.response_mask, jnp.float32)
+        else:
+            old = watch("old_log_prob", lambda: batching.unchunk(
+                self.log_probs(self.actor.params, seqs)))
         ref = watch("ref", lambda: batching.unchunk(self.log_probs(self.ref_params, seqs)))
         values = watch("values", lambda: batching.unchunk(
             self.values(self.critic.params, seqs)))
@@ -294,9 +305,10 @@ def run(*, small: bool = False, warmup: int = 2, repeats: int = 5,
     if small:
         prompts = prompts % it.actor_model.cfg.vocab_size
     counter = CompileCounter()
-    records, peaks, trl_runs, steal = [], [], [], [0, 0]
+    records, bypassed, peaks, trl_runs, steal = [], [], [], [], [0, 0]
     for i in range(warmup):
         it.step(prompts[i])
+        it.step(prompts[i], bypass=True)
     for r in range(rounds):
         if trl_python is not None:
             trl_runs.append(run_trl(trl_python, "--iterations", str(TRL_WARMUP + repeats)))
@@ -309,6 +321,8 @@ def run(*, small: bool = False, warmup: int = 2, repeats: int = 5,
                 steal = [steal[0] + after[0] - before[0], steal[1] + after[1] - before[1]]
             # the peak right after each iteration, under the same load of a shared machine
             peaks.append(matmul_peak_flops(repeats=3 if small else 5))
+            with counter.counting(True):
+                bypassed.append(it.step(prompts[warmup + r * repeats + j], bypass=True))
     peak = statistics.median(peaks)
     med = lambda k: statistics.median(r[k] for r in records)
     seconds = med("step")
@@ -331,9 +345,14 @@ def run(*, small: bool = False, warmup: int = 2, repeats: int = 5,
     }
     if steal[1] > 0:
         out["ppo.cpu_steal_fraction"] = steal[0] / steal[1]
+    bypass_seconds = statistics.median(r["step"] for r in bypassed)
+    out["ppo.bypass.seconds_per_iteration"] = bypass_seconds
+    out["ppo.bypass.tokens_per_s"] = tokens / bypass_seconds
     if trl_runs:
         out.update(_trl_figures(trl_runs, tokens))
         out["ppo.ratio_to_trl"] = out["ppo.tokens_per_s"] / out["ppo.trl.tokens_per_s"]
+        out["ppo.bypass.ratio_to_trl"] = (out["ppo.bypass.tokens_per_s"]
+                                          / out["ppo.trl.tokens_per_s"])
     for r in records:  # outside every stage: batch placement, host fetches
         r["other"] = r["step"] - sum(r[s] for s in STAGES)
     out.update({f"ppo.stage.{s}": med(s) for s in (*STAGES, "other")})

@@ -198,6 +198,15 @@ def validate(cfg: Config) -> None:
         if sampling.do_sample and sampling.temperature <= 0:
             _fail(f"{path}.temperature", "must be > 0 when do_sample is true "
                   "(set do_sample=false for greedy decoding)")
+    rollout = arr.rollout
+    if cfg.algorithm.rollout_correction.bypass_mode and (
+            not rollout.do_sample or rollout.top_k > 0 or rollout.top_p < 1.0):
+        # The engine's log-probs are under the filtered (or greedy) sampling rule, not the
+        # tempered policy that the actor's loss compares them with.
+        _fail("algorithm.rollout_correction.bypass_mode",
+              f"needs plain sampling ({_ARR}.rollout.do_sample=true, top_k=-1, top_p=1.0), "
+              f"got do_sample={rollout.do_sample}, top_k={rollout.top_k}, "
+              f"top_p={rollout.top_p}")
     check_kl_kind(cfg.algorithm.kl_penalty, "algorithm.kl_penalty")
     check_kl_kind(arr.actor.kl_loss_type, f"{_ARR}.actor.kl_loss_type")
     _check_mini_batch(f"{_ARR}.actor", arr.actor.ppo_mini_batch_size, cfg)

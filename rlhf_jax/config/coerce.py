@@ -30,6 +30,10 @@ _VERL_HINTS = {
     "actor_rollout_ref.rollout.gpu_memory_utilization": "the KV cache is sized by "
     "actor_rollout_ref.rollout.max_concurrent_decodes",
     "actor_rollout_ref.rollout.name": "rlhf_jax has one rollout engine (the JetStream API)",
+    **{f"algorithm.rollout_correction.{k}": "of its rollout correction only bypass_mode is "
+       "implemented" for k in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
+                               "rollout_rs", "rollout_rs_threshold", "rollout_rs_threshold_lower",
+                               "rollout_token_veto_threshold", "use_policy_gradient")},
 }
 
 
@@ -249,6 +253,8 @@ def all_paths(root: type) -> tuple[str, ...]:
 
 def unknown_key(path: str, root: type) -> ConfigError:
     """`unknown config key 'a.b' (did you mean 'a.c'?)`, with the likeliest intended key."""
+    if path in _VERL_HINTS:
+        return ConfigError(f"unknown config key {path!r} (a verl key; {_VERL_HINTS[path]})")
     paths = all_paths(root)
     parent, _, leaf = path.rpartition(".")
     renamed = path.replace("_per_gpu", "_per_device")
@@ -265,8 +271,6 @@ def unknown_key(path: str, root: type) -> ConfigError:
         guess = next(iter(difflib.get_close_matches(path, paths, n=1, cutoff=0.75)), None)
     if guess:
         return ConfigError(f"unknown config key {path!r} (did you mean {guess!r}?)")
-    if path in _VERL_HINTS:
-        return ConfigError(f"unknown config key {path!r} (a verl key; {_VERL_HINTS[path]})")
     return ConfigError(f"unknown config key {path!r}")
 
 
