@@ -19,7 +19,7 @@ from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, load_model_config
 from rlhf_jax.models.hf_io import load_hf_model, save_hf
 from rlhf_jax.models.model import UNROLL_MAX_LAYERS
-from rlhf_jax.models.transformer import per_layer_params, stacked_params
+from rlhf_jax.models.transformer import per_layer_params, rope_table, stacked_params
 
 GOLDEN = Path(__file__).parent / "golden" / "param_specs.json"
 
@@ -183,6 +183,25 @@ def test_scanned_and_unrolled_layers_agree(hf_dirs, arch):
     # either form of the parameters runs either way: the forward follows the form it gets
     np.testing.assert_allclose(np.asarray(jax.jit(base.forward)(split, ids, mask)),
                                outs[True, False][0], atol=2e-6, rtol=0)
+
+
+def test_rope_table_is_computed_once_per_forward():
+    """On CPU the cos / sin table is one buffer for every layer's rotations: the compiled
+    forward evaluates cosine once (not once per layer and head), and the table is right."""
+    model = Model(load_model_config_dict(num_hidden_layers=3))
+    mesh, spec = _mesh("single")
+    params = model.init(jax.random.key(0), mesh, spec.train_rules)
+    ids, mask = _batch()
+    forward = lambda p: model.forward(p, ids, mask)
+    for fn in (forward, jax.grad(lambda p: jnp.sum(forward(p)))):
+        hlo = jax.jit(fn).lower(params).compile().as_text()
+        assert hlo.count(" cosine(") == 1
+    pos = np.arange(12, dtype=np.int32).reshape(2, 6)
+    cos, sin = jax.jit(rope_table, static_argnums=(1, 2))(pos, 8, 10000.0)
+    inv = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)
+    angle = np.concatenate([pos[..., None] * inv] * 2, -1)
+    np.testing.assert_allclose(cos, np.cos(angle), atol=1e-6)
+    np.testing.assert_allclose(sin, np.sin(angle), atol=1e-6)
 
 
 def test_scan_layers_default_unrolls_shallow_models_only():

@@ -143,21 +143,33 @@ class RMSNorm(nn.Module):
         )
 
 
-def rope(x_bthd, positions_bt, theta: float):
-    """Rotary embedding, HF's half-rotation convention, computed in float32. `positions`
-    broadcast against x's leading dims: [B, T] goes with [B, T, heads, H], [B, 1, T] with
-    head-major [B, heads, T, H]."""
-    h = x_bthd.shape[-1]
-    if positions_bt.ndim == 2 and x_bthd.ndim == 4:
-        positions_bt = positions_bt[:, :, None]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+def rope_table(positions_bt, head_dim: int, theta: float):
+    """cos and sin [B, T, H] (float32) of the rotary embedding at `positions`: computed once
+    per forward and shared by every layer's queries and keys."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    xf = x_bthd.astype(jnp.float32)
+    table = lambda e: (jnp.cos(e), jnp.sin(e))
+    if jax.default_backend() != "cpu":
+        return table(emb)
+    # XLA on CPU fuses cos and sin into every rotation that reads them and evaluates them
+    # there once per head (per layer, forward and backward): ~4x the cost of the rotation.
+    # A conditional's results are buffers that no fusion reaches into, so here they are
+    # computed once. Both branches give the table (cos x = sin(x + pi/2)): they differ, so
+    # XLA keeps the conditional, and either one is right. (Not on accelerators, where the
+    # predicate would cost a device-to-host copy and the recomputation is cheap.)
+    other = lambda e: (jnp.sin(e + jnp.pi / 2), jnp.sin(e))
+    return jax.lax.cond(jnp.all(jnp.isfinite(emb)), table, other, emb)
+
+
+def rope(x, cos, sin):
+    """Rotary embedding, HF's half-rotation convention, computed in float32; `cos` and
+    `sin` from `rope_table`, broadcast against x (e.g. [B, 1, T, H] for [B, heads, T, H])."""
+    h = x.shape[-1]
+    xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : h // 2], xf[..., h // 2 :]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (xf * cos + rotated * sin).astype(x_bthd.dtype)
+    return (xf * cos + rotated * sin).astype(x.dtype)
 
 
 def _write(cache_lbksh, new_btkh, layer, write_index_b):
@@ -203,7 +215,7 @@ class Attention(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_btd, positions_bt, mask_bts, cache=None, write_index=None,
+    def __call__(self, x_btd, rope_bt, mask_bts, cache=None, write_index=None,
                  layer=None):
         """Self-attention; with `cache` (the full (k, v) [L, B, K, S, H] pair) it writes this
         layer's new keys and values at `write_index` and attends over the cache."""
@@ -227,14 +239,15 @@ class Attention(nn.Module):
         # Heads before positions, then the rotation: the transpose fuses into rope's
         # elementwise pass, and the contractions read their batch dims (B, K) leading with
         # no copy of their own (for T = 1 the transpose moves nothing).
+        cos_bth, sin_bth = rope_bt
         q_bkgth = rope(q_btnh.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4),
-                       positions_bt[:, None, None], cfg.rope_theta)
+                       cos_bth[:, None, None], sin_bth[:, None, None])
         if cache is None:
             new_cache = None
-            k_bksh = rope(k_btkh.transpose(0, 2, 1, 3), positions_bt[:, None], cfg.rope_theta)
+            k_bksh = rope(k_btkh.transpose(0, 2, 1, 3), cos_bth[:, None], sin_bth[:, None])
             v_bksh = v_btkh.transpose(0, 2, 1, 3)
         else:
-            k_btkh = rope(k_btkh, positions_bt, cfg.rope_theta)
+            k_btkh = rope(k_btkh, cos_bth[:, :, None], sin_bth[:, :, None])
             new_cache = (_write(cache[0], k_btkh, layer, write_index),
                          _write(cache[1], v_btkh, layer, write_index))
             k_bksh, v_bksh = (c[layer] for c in new_cache)
@@ -316,7 +329,7 @@ class DecoderLayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, carry, positions_bt, mask_bts, write_index, layer):
+    def __call__(self, carry, rope_bt, mask_bts, write_index, layer):
         """One layer of the scan: `carry` is (x [B, T, D], the full cache or None); `layer`
         is this layer's index into the cache (None without a cache)."""
         x_btd, cache = carry
@@ -324,7 +337,7 @@ class DecoderLayer(nn.Module):
         eps = self.cfg.rms_norm_eps
         h = RMSNorm(eps, name="input_layernorm", **kw)(x_btd)
         attn, new_cache = Attention(self.cfg, name="self_attn", **kw)(
-            h, positions_bt, mask_bts, cache, write_index, layer
+            h, rope_bt, mask_bts, cache, write_index, layer
         )
         x_btd = x_btd + attn
         h = RMSNorm(eps, name="post_attention_layernorm", **kw)(x_btd)
@@ -360,21 +373,22 @@ class Backbone(nn.Module):
 
     def __call__(self, input_ids_bt, positions_bt, mask_bts, cache=None, write_index=None):
         x_btd = constrain(self.embed_tokens(input_ids_bt), ("batch", "act_length", "act_embed"))
+        rope_bt = rope_table(positions_bt, self.cfg.head_dim, self.cfg.rope_theta)
         split = not self.is_initializing() and isinstance(
             self.layers.variables["params"], tuple)
         if split or (cache is not None and isinstance(cache.k, tuple)):
-            x_btd, new_cache = self._unrolled(x_btd, positions_bt, mask_bts, cache, write_index)
+            x_btd, new_cache = self._unrolled(x_btd, rope_bt, mask_bts, cache, write_index)
             return self.norm(x_btd), new_cache
         # The cache rides in the scan's carry, whole, with each layer's index as the scanned
         # input: scanning over it as xs / ys would copy every layer's block out and back in
         # at every step.
         kv = None if cache is None else (cache.k, cache.v)
         layers = None if cache is None else jnp.arange(self.cfg.num_hidden_layers)
-        (x_btd, new), _ = self.layers((x_btd, kv), positions_bt, mask_bts, write_index, layers)
+        (x_btd, new), _ = self.layers((x_btd, kv), rope_bt, mask_bts, write_index, layers)
         new_cache = None if cache is None else KVCache(*new)
         return self.norm(x_btd), new_cache
 
-    def _unrolled(self, x_btd, positions_bt, mask_bts, cache: KVCache | None, write_index):
+    def _unrolled(self, x_btd, rope_bt, mask_bts, cache: KVCache | None, write_index):
         """The scanned layers unrolled, one after another: layer i's parameters are its entry
         of `per_layer_params` (or its slice of the stacked ones); with a `per_layer()` cache
         its block is a [1, B, K, S, H] view of its own buffer (index 0: no copy, the write in
@@ -383,7 +397,7 @@ class Backbone(nn.Module):
         layer = DecoderLayer(self.cfg, self.dtype, self.param_dtype, parent=None)
 
         def run(params, x_btd, kv):
-            (x_btd, kv), _ = layer.apply({"params": params}, (x_btd, kv), positions_bt,
+            (x_btd, kv), _ = layer.apply({"params": params}, (x_btd, kv), rope_bt,
                                          mask_bts, write_index, None if kv is None else 0)
             return x_btd, kv
 
