@@ -170,13 +170,13 @@ def test_scanned_and_unrolled_layers_agree(hf_dirs, arch):
         return jnp.sum(jnp.sin(out) * (mask if out.ndim == 2 else mask[..., None]))
 
     outs = {}
-    for scan in (True, False):
-        for remat in (False, True):
-            model = dataclasses.replace(base, scan_layers=scan, remat=remat)
-            assert model.scans_layers is scan
-            out = jax.jit(model.forward)(params, ids, mask)
-            grads = jax.jit(jax.grad(functools.partial(loss, model)))(params)
-            outs[scan, remat] = (np.asarray(out), jax.device_get(grads))
+    # (scanned and rematerialised: test_scanned_and_unrolled_layers_update_alike)
+    for scan, remat in ((True, False), (False, False), (False, True)):
+        model = dataclasses.replace(base, scan_layers=scan, remat=remat)
+        assert model.scans_layers is scan
+        out = jax.jit(model.forward)(params, ids, mask)
+        grads = jax.jit(jax.grad(functools.partial(loss, model)))(params)
+        outs[scan, remat] = (np.asarray(out), jax.device_get(grads))
     for key, (out, grads) in outs.items():
         np.testing.assert_allclose(out, outs[True, False][0], atol=2e-6, rtol=0, err_msg=key)
         chex.assert_trees_all_close(grads, outs[True, False][1], atol=1e-6, rtol=1e-5)

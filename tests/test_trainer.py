@@ -55,6 +55,7 @@ def test_bypass_mode_takes_the_engines_log_probs(tmp_path):
         "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
         "actor_rollout_ref.actor.ppo_epochs": 1,
         "trainer.total_training_steps": 1, "trainer.test_freq": -1,
+        "trainer.sft_warmup.enable": False, "mesh": "single",
     }))[-1]
     assert last["training/old_log_prob_recomputed"] == 0.0
     assert "timing_s/old_log_prob" not in last and "training/rollout_probs_diff_max" not in last
