@@ -57,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf_jax.errors import UserError
 
     result: dict = {}
+    try:
+        if args.trl_python:  # before the other benchmarks, whose minutes a failure would waste
+            from rlhf_jax.benchmarks import ppo
+
+            ppo.check_trl(args.trl_python, ppo.TRL_SCRIPT)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     for name in chosen:
         kw = {"trl_python": args.trl_python} if name == "ppo" and args.trl_python else {}
         t0 = time.perf_counter()

@@ -262,6 +262,13 @@ def run_trl(python: str, *args: str) -> dict:
     return out
 
 
+@functools.cache
+def check_trl(python: str, script: pathlib.Path) -> dict:
+    """`run_trl(python, "--check")` once per Python and script: the versions it reports, or
+    the `UserError` of a broken environment, before any benchmark runs."""
+    return run_trl(python, "--check")
+
+
 def _trl_figures(runs: list[dict], tokens: int) -> dict:
     """Medians over the measured iterations of every TRL run."""
     pooled = lambda key: statistics.median(x for r in runs for x in r[key][TRL_WARMUP:])
@@ -286,7 +293,7 @@ def run(*, small: bool = False, warmup: int = 2, repeats: int = 5,
     (e.g. `steps_per_call=64` to try a rollout setting).
     """
     if trl_python is not None:
-        run_trl(trl_python, "--check")  # a broken environment fails before any work here
+        check_trl(trl_python, TRL_SCRIPT)  # a broken environment fails before any work
     kw = dict(batch=32, prompt_len=64, new_tokens=64, micro_batch=8)
     if small:
         from rlhf_jax.models import ModelConfig

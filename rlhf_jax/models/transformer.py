@@ -60,9 +60,15 @@ def per_layer_params(params):
     layers = params["model"]["layers"]
     if isinstance(layers, tuple):
         return params
+    return {**params, "model": {**params["model"], "layers": _layer_slices(layers)}}
+
+
+def _layer_slices(layers):
+    """A stacked layer subtree ([L, ...] leaves) as a tuple of L subtrees; a tuple as is."""
+    if isinstance(layers, tuple):
+        return layers
     n = jax.tree.leaves(layers)[0].shape[0]
-    split = tuple(jax.tree.map(lambda p, i=i: p[i], layers) for i in range(n))
-    return {**params, "model": {**params["model"], "layers": split}}
+    return tuple(jax.tree.map(lambda p, i=i: p[i], layers) for i in range(n))
 
 
 def stacked_params(params):
@@ -393,7 +399,7 @@ class Backbone(nn.Module):
         of `per_layer_params` (or its slice of the stacked ones); with a `per_layer()` cache
         its block is a [1, B, K, S, H] view of its own buffer (index 0: no copy, the write in
         place). A stacked cache goes in per layer and comes back stacked."""
-        stacked = self.layers.variables["params"]
+        per_layer = _layer_slices(self.layers.variables["params"])
         layer = DecoderLayer(self.cfg, self.dtype, self.param_dtype, parent=None)
 
         def run(params, x_btd, kv):
@@ -408,10 +414,8 @@ class Backbone(nn.Module):
             cache = cache.per_layer()
         ks, vs = (None, None) if cache is None else (list(cache.k), list(cache.v))
         for i in range(self.cfg.num_hidden_layers):
-            params = (stacked[i] if isinstance(stacked, tuple)
-                      else jax.tree.map(lambda p, i=i: p[i], stacked))
             kv = None if cache is None else (ks[i][None], vs[i][None])
-            x_btd, kv = run(params, x_btd, kv)
+            x_btd, kv = run(per_layer[i], x_btd, kv)
             if cache is not None:
                 ks[i], vs[i] = kv[0][0], kv[1][0]
         if cache is None:
