@@ -152,6 +152,45 @@ def test_head_slice_is_the_full_output_sliced(hf_dirs, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "value"])
+def test_head_slice_trims_the_last_layer(hf_dirs, arch):
+    """Unrolled, the last layer runs queries, attention output and MLP on the sliced positions
+    only: on one device the compiled gradient has fewer FLOPs than slicing the full output,
+    by at least that MLP and the head on the other positions (forward and backward); sharded
+    (2,2,2), the values and gradients are the scanned stack's, also rematerialised."""
+    ids, mask = _batch()
+    cut = slice(-4, -1)
+    kind = "value" if arch == "value" else "lm"
+    weight = jnp.asarray(np.random.default_rng(1).standard_normal(
+        (ids.shape[0], 3) + (() if kind == "value" else (TINY["vocab_size"],))), jnp.float32)
+
+    def step(model, head_slice):
+        def loss(p):
+            out = model.forward(p, ids, mask, head_slice)
+            return jnp.sum(jnp.sin(out if head_slice else out[:, cut]) * weight)
+
+        return jax.jit(jax.value_and_grad(loss))
+
+    mesh, spec = _mesh("single")
+    base, params = load_hf_model(hf_dirs[arch], mesh, spec.train_rules, kind=kind)
+    b, t = ids.shape
+    d, v = TINY["hidden_size"], TINY["vocab_size"] if kind == "lm" else 1
+    trimmed = 2 * d * (3 * TINY["intermediate_size"] + v) * b * (t - 3)
+    for remat in (False, True):
+        model = dataclasses.replace(base, scan_layers=False, remat=remat)
+        full, part = (step(model, s).lower(params).compile().cost_analysis()["flops"]
+                      for s in (None, cut))
+        # the forward's products, and the backward's two per product
+        assert full - part >= 3 * trimmed, (remat, full, part, trimmed)
+
+    mesh, spec = _mesh("cpu-8")
+    base, params = load_hf_model(hf_dirs[arch], mesh, spec.train_rules, kind=kind)
+    want = step(dataclasses.replace(base, scan_layers=True), cut)(params)
+    for remat in (False, True):
+        got = step(dataclasses.replace(base, scan_layers=False, remat=remat), cut)(params)
+        chex.assert_trees_all_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "value"])
 def test_scanned_and_unrolled_layers_agree(hf_dirs, arch):
     """The layer stack as a `lax.scan` and unrolled over per-layer weights (with and without
     rematerialisation) give the same outputs and the same gradients, sharded (2,2,2); the

@@ -222,13 +222,16 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x_btd, rope_bt, mask_bts, cache=None, write_index=None,
-                 layer=None):
+                 layer=None, query_slice: slice | None = None):
         """Self-attention; with `cache` (the full (k, v) [L, B, K, S, H] pair) it writes this
-        layer's new keys and values at `write_index` and attends over the cache."""
+        layer's new keys and values at `write_index` and attends over the cache.
+
+        `query_slice` (static, no cache): only those positions query, over the keys and values
+        of all of them; the output is [B, T', D] for the T' sliced positions."""
         cfg = self.cfg
         n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
 
-        def proj(name, heads, head_axis):
+        def proj(name, heads, head_axis, x_btd):
             return nn.DenseGeneral(
                 (heads, h), use_bias=cfg.attention_bias, dtype=self.dtype,
                 param_dtype=self.param_dtype, name=name, dot_general=dense_dot_general,
@@ -238,22 +241,28 @@ class Attention(nn.Module):
                 ),
             )(x_btd)
 
-        q_btnh = constrain(proj("q_proj", n, "heads"), ("batch", "act_length", "act_heads", None))
-        k_btkh = proj("k_proj", k, "kv_heads")
-        v_btkh = proj("v_proj", k, "kv_heads")
+        cos_bsh, sin_bsh = rope_bt
+        cos_bth, sin_bth, q_mask_bts, x_q_btd = cos_bsh, sin_bsh, mask_bts, x_btd
+        if query_slice is not None:
+            assert cache is None, "query_slice is for the full-sequence forward"
+            cos_bth, sin_bth = cos_bsh[:, query_slice], sin_bsh[:, query_slice]
+            q_mask_bts, x_q_btd = mask_bts[:, query_slice], x_btd[:, query_slice]
+        q_btnh = constrain(proj("q_proj", n, "heads", x_q_btd),
+                           ("batch", "act_length", "act_heads", None))
+        k_btkh = proj("k_proj", k, "kv_heads", x_btd)
+        v_btkh = proj("v_proj", k, "kv_heads", x_btd)
         b, t = q_btnh.shape[:2]
         # Heads before positions, then the rotation: the transpose fuses into rope's
         # elementwise pass, and the contractions read their batch dims (B, K) leading with
         # no copy of their own (for T = 1 the transpose moves nothing).
-        cos_bth, sin_bth = rope_bt
         q_bkgth = rope(q_btnh.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4),
                        cos_bth[:, None, None], sin_bth[:, None, None])
         if cache is None:
             new_cache = None
-            k_bksh = rope(k_btkh.transpose(0, 2, 1, 3), cos_bth[:, None], sin_bth[:, None])
+            k_bksh = rope(k_btkh.transpose(0, 2, 1, 3), cos_bsh[:, None], sin_bsh[:, None])
             v_bksh = v_btkh.transpose(0, 2, 1, 3)
         else:
-            k_btkh = rope(k_btkh, cos_bth[:, :, None], sin_bth[:, :, None])
+            k_btkh = rope(k_btkh, cos_bsh[:, :, None], sin_bsh[:, :, None])
             new_cache = (_write(cache[0], k_btkh, layer, write_index),
                          _write(cache[1], v_btkh, layer, write_index))
             k_bksh, v_bksh = (c[layer] for c in new_cache)
@@ -269,7 +278,7 @@ class Attention(nn.Module):
             scores = jnp.einsum("BKGTH,BKSH->BKGTS", q_bkgth, k_bksh.astype(self.dtype),
                                 preferred_element_type=jnp.float32)
         scores = scores * (h**-0.5)
-        scores = jnp.where(mask_bts[:, None, None], scores, _NEG)
+        scores = jnp.where(q_mask_bts[:, None, None], scores, _NEG)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         if decode:
             out_bkgh = jnp.sum(probs[:, :, :, 0, :, None].astype(jnp.float32)
@@ -335,16 +344,21 @@ class DecoderLayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, carry, rope_bt, mask_bts, write_index, layer):
+    def __call__(self, carry, rope_bt, mask_bts, write_index, layer,
+                 query_slice: slice | None = None):
         """One layer of the scan: `carry` is (x [B, T, D], the full cache or None); `layer`
-        is this layer's index into the cache (None without a cache)."""
+        is this layer's index into the cache (None without a cache). With `query_slice`
+        (static) only those positions go on past the keys and values: attention output,
+        residual and MLP, and x comes out [B, T', D]."""
         x_btd, cache = carry
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         eps = self.cfg.rms_norm_eps
         h = RMSNorm(eps, name="input_layernorm", **kw)(x_btd)
         attn, new_cache = Attention(self.cfg, name="self_attn", **kw)(
-            h, rope_bt, mask_bts, cache, write_index, layer
+            h, rope_bt, mask_bts, cache, write_index, layer, query_slice
         )
+        if query_slice is not None:
+            x_btd = x_btd[:, query_slice]
         x_btd = x_btd + attn
         h = RMSNorm(eps, name="post_attention_layernorm", **kw)(x_btd)
         x_btd = x_btd + MLP(self.cfg, name="mlp", **kw)(h)
@@ -377,13 +391,20 @@ class Backbone(nn.Module):
         )(self.cfg, dtype=self.dtype, param_dtype=self.param_dtype)
         self.norm = RMSNorm(self.cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
 
-    def __call__(self, input_ids_bt, positions_bt, mask_bts, cache=None, write_index=None):
+    def __call__(self, input_ids_bt, positions_bt, mask_bts, cache=None, write_index=None,
+                 out_slice: slice | None = None):
+        """Hidden states [B, T, D] (and the new cache with `cache`); with `out_slice` (static,
+        no cache) only those positions' [B, T', D]. Unrolled, the last layer then runs its
+        queries, attention output and MLP on those positions only (its keys and values need
+        them all): for a response as long as its prompt, ~10 % of a 4-layer model's matmuls,
+        forward and backward. Scanned, or with a cache, the output is sliced."""
         x_btd = constrain(self.embed_tokens(input_ids_bt), ("batch", "act_length", "act_embed"))
         rope_bt = rope_table(positions_bt, self.cfg.head_dim, self.cfg.rope_theta)
         split = not self.is_initializing() and isinstance(
             self.layers.variables["params"], tuple)
         if split or (cache is not None and isinstance(cache.k, tuple)):
-            x_btd, new_cache = self._unrolled(x_btd, rope_bt, mask_bts, cache, write_index)
+            x_btd, new_cache = self._unrolled(x_btd, rope_bt, mask_bts, cache, write_index,
+                                              out_slice)
             return self.norm(x_btd), new_cache
         # The cache rides in the scan's carry, whole, with each layer's index as the scanned
         # input: scanning over it as xs / ys would copy every layer's block out and back in
@@ -392,30 +413,41 @@ class Backbone(nn.Module):
         layers = None if cache is None else jnp.arange(self.cfg.num_hidden_layers)
         (x_btd, new), _ = self.layers((x_btd, kv), rope_bt, mask_bts, write_index, layers)
         new_cache = None if cache is None else KVCache(*new)
+        if out_slice is not None:
+            x_btd = x_btd[:, out_slice]
         return self.norm(x_btd), new_cache
 
-    def _unrolled(self, x_btd, rope_bt, mask_bts, cache: KVCache | None, write_index):
+    def _unrolled(self, x_btd, rope_bt, mask_bts, cache: KVCache | None, write_index,
+                  out_slice: slice | None = None):
         """The scanned layers unrolled, one after another: layer i's parameters are its entry
         of `per_layer_params` (or its slice of the stacked ones); with a `per_layer()` cache
         its block is a [1, B, K, S, H] view of its own buffer (index 0: no copy, the write in
-        place). A stacked cache goes in per layer and comes back stacked."""
+        place). A stacked cache goes in per layer and comes back stacked. Without a cache
+        `out_slice` is the last layer's `query_slice`; with one, the output is sliced."""
         per_layer = _layer_slices(self.layers.variables["params"])
         layer = DecoderLayer(self.cfg, self.dtype, self.param_dtype, parent=None)
 
-        def run(params, x_btd, kv):
-            (x_btd, kv), _ = layer.apply({"params": params}, (x_btd, kv), rope_bt,
-                                         mask_bts, write_index, None if kv is None else 0)
-            return x_btd, kv
+        def runner(query_slice):
+            def run(params, x_btd, kv):
+                (x_btd, kv), _ = layer.apply({"params": params}, (x_btd, kv), rope_bt,
+                                             mask_bts, write_index, None if kv is None else 0,
+                                             query_slice)
+                return x_btd, kv
 
-        if self.remat:
-            run = jax.checkpoint(run)
+            return jax.checkpoint(run) if self.remat else run
+
+        if cache is not None and out_slice is not None:
+            x_btd, new_cache = self._unrolled(x_btd, rope_bt, mask_bts, cache, write_index)
+            return x_btd[:, out_slice], new_cache
+        run, run_last = runner(None), runner(out_slice)
         restack = cache is not None and not isinstance(cache.k, tuple)
         if restack:
             cache = cache.per_layer()
         ks, vs = (None, None) if cache is None else (list(cache.k), list(cache.v))
+        last = self.cfg.num_hidden_layers - 1
         for i in range(self.cfg.num_hidden_layers):
             kv = None if cache is None else (ks[i][None], vs[i][None])
-            x_btd, kv = run(per_layer[i], x_btd, kv)
+            x_btd, kv = (run_last if i == last else run)(per_layer[i], x_btd, kv)
             if cache is not None:
                 ks[i], vs[i] = kv[0][0], kv[1][0]
         if cache is None:
@@ -448,9 +480,8 @@ class CausalLM(nn.Module):
                  head_slice: slice | None = None):
         """`head_slice` (static): the positions whose logits are wanted, e.g. the responses';
         the head runs on those hidden states only."""
-        x_btd, new_cache = self.model(input_ids_bt, positions_bt, mask_bts, cache, write_index)
-        if head_slice is not None:
-            x_btd = x_btd[:, head_slice]
+        x_btd, new_cache = self.model(input_ids_bt, positions_bt, mask_bts, cache, write_index,
+                                      head_slice)
         if self.cfg.tie_word_embeddings:
             logits_btv = self.model.attend(x_btd)
         else:
@@ -477,7 +508,5 @@ class ValueModel(nn.Module):
 
     def __call__(self, input_ids_bt, positions_bt, mask_bts, cache=None, write_index=None,
                  head_slice: slice | None = None):
-        x_btd, _ = self.model(input_ids_bt, positions_bt, mask_bts)
-        if head_slice is not None:
-            x_btd = x_btd[:, head_slice]
+        x_btd, _ = self.model(input_ids_bt, positions_bt, mask_bts, out_slice=head_slice)
         return self.score(x_btd.astype(jnp.float32))[..., 0], None
