@@ -402,28 +402,30 @@ class Backbone(nn.Module):
         rope_bt = rope_table(positions_bt, self.cfg.head_dim, self.cfg.rope_theta)
         split = not self.is_initializing() and isinstance(
             self.layers.variables["params"], tuple)
-        if split or (cache is not None and isinstance(cache.k, tuple)):
+        unrolled = split or (cache is not None and isinstance(cache.k, tuple))
+        trim = out_slice if unrolled and cache is None else None
+        if unrolled:
             x_btd, new_cache = self._unrolled(x_btd, rope_bt, mask_bts, cache, write_index,
-                                              out_slice)
-            return self.norm(x_btd), new_cache
-        # The cache rides in the scan's carry, whole, with each layer's index as the scanned
-        # input: scanning over it as xs / ys would copy every layer's block out and back in
-        # at every step.
-        kv = None if cache is None else (cache.k, cache.v)
-        layers = None if cache is None else jnp.arange(self.cfg.num_hidden_layers)
-        (x_btd, new), _ = self.layers((x_btd, kv), rope_bt, mask_bts, write_index, layers)
-        new_cache = None if cache is None else KVCache(*new)
-        if out_slice is not None:
+                                              trim)
+        else:
+            # The cache rides in the scan's carry, whole, with each layer's index as the
+            # scanned input: scanning over it as xs / ys would copy every layer's block out
+            # and back in at every step.
+            kv = None if cache is None else (cache.k, cache.v)
+            layers = None if cache is None else jnp.arange(self.cfg.num_hidden_layers)
+            (x_btd, new), _ = self.layers((x_btd, kv), rope_bt, mask_bts, write_index, layers)
+            new_cache = None if cache is None else KVCache(*new)
+        if out_slice is not None and trim is None:
             x_btd = x_btd[:, out_slice]
         return self.norm(x_btd), new_cache
 
     def _unrolled(self, x_btd, rope_bt, mask_bts, cache: KVCache | None, write_index,
-                  out_slice: slice | None = None):
+                  last_query_slice: slice | None = None):
         """The scanned layers unrolled, one after another: layer i's parameters are its entry
         of `per_layer_params` (or its slice of the stacked ones); with a `per_layer()` cache
         its block is a [1, B, K, S, H] view of its own buffer (index 0: no copy, the write in
-        place). A stacked cache goes in per layer and comes back stacked. Without a cache
-        `out_slice` is the last layer's `query_slice`; with one, the output is sliced."""
+        place). A stacked cache goes in per layer and comes back stacked. The last layer
+        gets `last_query_slice` (no cache) as its `query_slice`."""
         per_layer = _layer_slices(self.layers.variables["params"])
         layer = DecoderLayer(self.cfg, self.dtype, self.param_dtype, parent=None)
 
@@ -436,10 +438,7 @@ class Backbone(nn.Module):
 
             return jax.checkpoint(run) if self.remat else run
 
-        if cache is not None and out_slice is not None:
-            x_btd, new_cache = self._unrolled(x_btd, rope_bt, mask_bts, cache, write_index)
-            return x_btd[:, out_slice], new_cache
-        run, run_last = runner(None), runner(out_slice)
+        run, run_last = runner(None), runner(last_query_slice)
         restack = cache is not None and not isinstance(cache.k, tuple)
         if restack:
             cache = cache.per_layer()
