@@ -19,7 +19,8 @@ from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, load_model_config
 from rlhf_jax.models.hf_io import load_hf_model, save_hf
 from rlhf_jax.models.model import UNROLL_MAX_LAYERS
-from rlhf_jax.models.transformer import per_layer_params, rope_table, stacked_params
+from rlhf_jax.models.ops import rope_table
+from rlhf_jax.models.transformer import per_layer_params, stacked_params
 
 GOLDEN = Path(__file__).parent / "golden" / "param_specs.json"
 

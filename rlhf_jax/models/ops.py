@@ -1,0 +1,112 @@
+"""Array functions of the decoder, each shaped for XLA: the projections' product with a
+hand-written backward, the rotary table and rotation, and the gated SiLU.
+
+Pure `jax.numpy`; `rlhf_jax.models.transformer` builds its modules on them. Shapes use the
+dimension letters of that module (B, T, H, ...).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul(x, w, nk: int, precision=None):
+    """`x [..., K...] @ w [K..., N...]`: x's last `nk` dims against w's first `nk`."""
+    return jax.lax.dot_general(
+        x, w, ((tuple(range(x.ndim - nk, x.ndim)), tuple(range(nk))), ((), ())),
+        precision=precision)
+
+
+def _matmul_fwd(x, w, nk, precision):
+    return _matmul(x, w, nk, precision), (x, w)
+
+
+def _matmul_bwd(nk, precision, res, dy):
+    x, w = res
+    nn_ = w.ndim - nk
+    dx = jax.lax.dot_general(
+        dy, w, ((tuple(range(dy.ndim - nn_, dy.ndim)), tuple(range(nk, w.ndim))), ((), ())),
+        precision=precision)
+    # The weight gradient as one [M, K] x [M, N] -> [K, N] product over the flattened
+    # tokens M: left to autodiff (a contraction over the batch and length dims), XLA on CPU
+    # transposes the output cotangent to [N, M] first, inside the fusion that produces it,
+    # a strided loop that costs as much as the matmuls of the layer.
+    x2 = x.reshape(-1, math.prod(w.shape[:nk]))
+    dy2 = dy.reshape(-1, math.prod(w.shape[nk:]))
+    dw = jax.lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())), precision=precision)
+    return dx.astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def dense_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                      preferred_element_type=None):
+    """`lax.dot_general` for `nn.Dense` / `nn.DenseGeneral` layers: the same product, with a
+    hand-written backward (`_matmul`) when it contracts the inputs' trailing dims with the
+    kernel's leading ones (every projection here); anything else goes to `lax.dot_general`."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    nk = len(lc)
+    if (lb or rb or preferred_element_type is not None
+            or tuple(lc) != tuple(range(lhs.ndim - nk, lhs.ndim))
+            or tuple(rc) != tuple(range(nk))):
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type)
+    return _matmul(lhs, rhs, nk, precision)
+
+
+def rope_table(positions_bt, head_dim: int, theta: float):
+    """cos and sin [B, T, H] (float32) of the rotary embedding at `positions`: computed once
+    per forward and shared by every layer's queries and keys."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    table = lambda e: (jnp.cos(e), jnp.sin(e))
+    if jax.default_backend() != "cpu":
+        return table(emb)
+    # XLA on CPU fuses cos and sin into every rotation that reads them and evaluates them
+    # there once per head (per layer, forward and backward): ~4x the cost of the rotation.
+    # A conditional's results are buffers that no fusion reaches into, so here they are
+    # computed once. Both branches give the table (cos x = sin(x + pi/2)): they differ, so
+    # XLA keeps the conditional, and either one is right. (Not on accelerators, where the
+    # predicate would cost a device-to-host copy and the recomputation is cheap.)
+    other = lambda e: (jnp.sin(e + jnp.pi / 2), jnp.sin(e))
+    return jax.lax.cond(jnp.all(jnp.isfinite(emb)), table, other, emb)
+
+
+def rope(x, cos, sin):
+    """Rotary embedding, HF's half-rotation convention, computed in float32; `cos` and
+    `sin` from `rope_table`, broadcast against x (e.g. [B, 1, T, H] for [B, heads, T, H])."""
+    h = x.shape[-1]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : h // 2], xf[..., h // 2 :]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+@jax.custom_vjp
+def gated_silu(gate, up):
+    """`silu(gate) * up`, the SwiGLU activation, with a hand-written backward that keeps only
+    `gate` and `up` for the backward pass and recomputes the sigmoid there (autodiff would
+    also keep the sigmoid and the product: per layer, two more activation-sized arrays
+    written by the forward scan and read back by the backward one)."""
+    return jax.nn.silu(gate) * up
+
+
+def _gated_silu_fwd(gate, up):
+    return gated_silu(gate, up), (gate, up)
+
+
+def _gated_silu_bwd(res, d_out):
+    gate, up = res
+    sig = jax.nn.sigmoid(gate)
+    d_gate = d_out * up * sig * (1 + gate * (1 - sig))
+    return d_gate, d_out * (gate * sig)
+
+
+gated_silu.defvjp(_gated_silu_fwd, _gated_silu_bwd)
