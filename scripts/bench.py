@@ -14,6 +14,11 @@ figure is a ratio to a reference measured in the same run, on the same machine:
 - `decode.ratio_to_bound`: KV-cache decode tokens/s over reading params + cache once a step.
 - `memory.ratio_to_ideal`: per-device training-state bytes over total / (fsdp x tensor).
 
+`--scale 0.5b` runs them on the Qwen2.5-0.5B architecture with bfloat16 compute at sizes for
+one accelerator, against a bfloat16 matmul peak (`--scale workload`, the default: WORKLOAD.md's
+model in float32, sized for the 2-core CPU machine). `reshard` and `memory` need 8 devices:
+with fewer they run in a subprocess on 8 simulated CPU devices, at either scale.
+
 The object also holds `<name>.wall_seconds`, the versions, the devices and the peak RSS.
 """
 
@@ -37,12 +42,17 @@ def available() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlhf_jax.benchmarks.common import SCALES
+
     names = available()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("benchmarks", nargs="*", default=["all"], metavar="NAME",
                    help=f"one or more of: {', '.join(names)}, all (default)")
     p.add_argument("--trl-python", metavar="PYTHON",
                    help="ppo: also run TRL's PPO on the workload with this Python, in turns")
+    p.add_argument("--scale", default="workload", choices=sorted(SCALES),
+                   help="workload (default: WORKLOAD.md's model, float32, for the CPU) or "
+                        "0.5b (Qwen2.5-0.5B architecture, bfloat16 compute, for an accelerator)")
     args = p.parse_args(argv)
     chosen = names if "all" in args.benchmarks else args.benchmarks
     unknown = [n for n in chosen if n not in names]
@@ -52,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.trl_python and "ppo" not in chosen:
         print("error: --trl-python goes with the ppo benchmark", file=sys.stderr)
+        return 2
+    if args.trl_python and args.scale != "workload":
+        print("error: --trl-python runs TRL on WORKLOAD.md's model: it goes with "
+              "--scale workload only", file=sys.stderr)
         return 2
     from rlhf_jax.benchmarks.common import device_info, peak_rss_mb, versions
     from rlhf_jax.errors import UserError
@@ -66,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for name in chosen:
-        kw = {"trl_python": args.trl_python} if name == "ppo" and args.trl_python else {}
+        kw = {"scale": args.scale}
+        if name == "ppo" and args.trl_python:
+            kw["trl_python"] = args.trl_python
         t0 = time.perf_counter()
         try:
             result.update(importlib.import_module(f"rlhf_jax.benchmarks.{name}").run(**kw))
@@ -74,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         result[f"{name}.wall_seconds"] = time.perf_counter() - t0
-    result.update({"devices": device_info(), "versions": versions(),
+    result.update({"scale": args.scale, "devices": device_info(), "versions": versions(),
                    "peak_rss_mb": peak_rss_mb()})
     print(json.dumps(result, indent=1, sort_keys=True))
     return 0

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rlhf_jax.benchmarks import decode, gae, memory, mfu, ppo, reshard
+from rlhf_jax.benchmarks import decode, gae, memory, mfu, ppo, reshard, rollout
 from rlhf_jax.errors import UserError
 
 
@@ -136,12 +136,28 @@ def test_decode_small():
     assert out["decode.copy_bytes"] == out["decode.param_bytes"] + out["decode.cache_bytes"]
 
 
+def test_rollout_small():
+    out = rollout.run(small=True)
+    _finite(out, "rollout.")
+    assert out["rollout.cache_speedup"] > 0 and out["rollout.decode_steps"] == 7
+    assert out["rollout.nocache_token_agreement"] == 1.0  # same sampling rule and keys
+
+
 def test_reshard_small():
     out = reshard.run(small=True)
     _finite(out, "reshard.")
     assert out["reshard.mesh"] == "2x2x2" and out["reshard.ratio_to_copy"] > 0
     # the generate layout holds each parameter twice per fsdp pair: twice the train bytes
     assert out["reshard.bytes_written"] > 2 * out["reshard.param_bytes"]
+
+
+def test_a_failed_cpu_subprocess_is_one_line_error():
+    from rlhf_jax.benchmarks.common import on_cpu_devices
+
+    want = (r"^rlhf_jax.benchmarks.nope on 8 simulated CPU devices exited with 1: "
+            r".*No module named rlhf_jax.benchmarks.nope$")
+    with pytest.raises(UserError, match=want):
+        on_cpu_devices("rlhf_jax.benchmarks.nope")
 
 
 def test_bench_script_lists_every_benchmark():
@@ -156,3 +172,56 @@ def test_bench_script_lists_every_benchmark():
     assert bench.main(["nope"]) == 2
     assert bench.main(["gae", "--trl-python", sys.executable]) == 2  # TRL goes with ppo only
     assert bench.main(["ppo", "--trl-python", "/no/such/python"]) == 2  # one line, no traceback
+    assert bench.main(["ppo", "--scale", "0.5b", "--trl-python", sys.executable]) == 2
+
+
+def test_an_unknown_scale_is_one_line_error():
+    with pytest.raises(UserError, match=r"unknown scale '7b' \(known: workload, 0.5b\)"):
+        decode.run(scale="7b")
+
+
+def test_the_0_5b_scale_is_qwen2_5_0_5b_in_bfloat16():
+    from rlhf_jax.benchmarks.common import get_scale
+
+    scale = get_scale("0.5b")
+    cfg = scale.model_config()
+    params = cfg.num_matmul_params - cfg.vocab_size * cfg.hidden_size  # tied: one table
+    assert 490e6 < params < 500e6 and cfg.tie_word_embeddings
+    assert scale.dtype == "bfloat16" and scale.pad_id(cfg) == cfg.vocab_size
+
+
+def _bf16_scale():
+    """The 0.5b scale's settings on a 2-layer model (the sizes of each benchmark's entry)."""
+    from rlhf_jax.benchmarks.common import QWEN2_5_0_5B, Scale
+
+    tiny = dict(QWEN2_5_0_5B, vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    return Scale("0.5b", tiny, dtype="bfloat16", peak_n=64)
+
+
+def test_decode_runs_in_the_scale_dtype():
+    scale = _bf16_scale()
+    out = decode.run(scale=scale, batch=2, prompt_len=8, new_tokens=4, repeats=1)
+    _finite(out, "decode.")
+    cfg = scale.model_config()
+    # the KV cache is held in the compute dtype: [L, B, K, S, H] keys and values, 2 bytes each
+    assert out["decode.cache_bytes"] == 2 * 2 * cfg.num_hidden_layers * 2 * 1 * 12 * 16
+    assert out["decode.dtype"] == "bfloat16"
+
+
+def test_ppo_builds_the_scale_iteration(monkeypatch):
+    """`ppo.run(scale="0.5b")` builds its iteration from the scale (model, dtype, sizes)."""
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def record(**kw):
+        seen.update(kw)
+        raise Built
+
+    monkeypatch.setattr(ppo, "PPOIteration", record)
+    with pytest.raises(Built):
+        ppo.run(scale="0.5b")
+    assert seen["dtype"] == "bfloat16" and seen["model_cfg"].vocab_size == 151936
+    assert (seen["batch"], seen["prompt_len"], seen["new_tokens"]) == (64, 128, 128)

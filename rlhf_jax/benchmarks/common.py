@@ -5,7 +5,9 @@
     a, b = interleaved({"a": f, "b": g}, repeats=5)  # a figure and its reference, in turns
 
 The workload of `/work/shared/bench/WORKLOAD.md` (model and prompts) lives here too, so that
-every benchmark measures the same thing.
+every benchmark measures the same thing, and so do the scales the benchmarks run at
+(`get_scale`): `workload`, the default, for the 2-core CPU machine, and `0.5b`, the Qwen2.5-0.5B
+architecture with bfloat16 compute, for one accelerator (`scripts/bench.py --scale 0.5b`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,69 @@ WORKLOAD_MODEL = dict(
     tie_word_embeddings=False, max_position_embeddings=256, rms_norm_eps=1e-6,
 )
 WORKLOAD_PAD_ID = 1024  # one past the vocabulary: never sampled, never embedded
+
+# The Qwen2.5-0.5B architecture (random init): 494M parameters, 136M of them the tied
+# embedding.
+QWEN2_5_0_5B = dict(
+    model_type="qwen2", vocab_size=151936, hidden_size=896, num_hidden_layers=24,
+    num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864, rope_theta=1e6,
+    tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """The model and precision the benchmarks run at.
+
+    `model`: an HF config dict, or None for each benchmark's own model at the `workload`
+    scale (WORKLOAD.md's; `mfu` uses a larger one). `dtype`: the compute dtype (parameters
+    and optimizer state stay float32). `peak_n`: the size of the square matmul whose FLOP/s
+    is the measured peak, in `dtype`. Each benchmark keeps its batch sizes per scale.
+    """
+
+    name: str
+    model: dict | None = None
+    dtype: str = "float32"
+    peak_n: int = 1024
+
+    def model_config(self, default: dict | None = None):
+        from rlhf_jax.models import ModelConfig
+
+        return ModelConfig.from_hf(self.model or default or WORKLOAD_MODEL)
+
+    def pad_id(self, cfg) -> int:
+        """One past the vocabulary: never sampled (EOS disabled), never embedded."""
+        return cfg.vocab_size
+
+
+SCALES = {
+    "workload": Scale("workload"),
+    "0.5b": Scale("0.5b", QWEN2_5_0_5B, dtype="bfloat16", peak_n=8192),
+}
+
+
+def get_scale(name: str | Scale) -> Scale:
+    """`SCALES[name]`; an unknown name is a one-line `UserError`."""
+    if isinstance(name, Scale):
+        return name
+    if name not in SCALES:
+        from rlhf_jax.errors import UserError
+
+        raise UserError(f"unknown scale {name!r} (known: {', '.join(SCALES)})")
+    return SCALES[name]
+
+
+def datasheet_peak(dtype: str) -> float | None:
+    """The datasheet's dense bfloat16 matmul FLOP/s of this process's first device
+    (`metrics.PEAK_FLOPS`), for a bfloat16 benchmark on a device that table knows; else None."""
+    import jax
+
+    from rlhf_jax.metrics import PEAK_FLOPS
+
+    kind = jax.devices()[0].device_kind.lower()
+    if dtype != "bfloat16" or jax.devices()[0].platform == "cpu":
+        return None
+    return next((v for k, v in PEAK_FLOPS.items() if k.lower() in kind), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,3 +204,33 @@ def workload_prompts(iterations: int, batch: int = 32, length: int = 64) -> np.n
     rng = np.random.default_rng(0)
     return rng.integers(3, WORKLOAD_MODEL["vocab_size"], size=(iterations, batch, length)).astype(
         np.int32)
+
+
+def on_cpu_devices(module: str, *args: str, devices: int = 8) -> dict:
+    """The JSON object that `python -m <module> --in-process *args` prints on its last line,
+    run with `devices` simulated CPU devices: for a benchmark whose mesh needs more devices
+    than this process has."""
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    out = subprocess.run([sys.executable, "-m", module, "--in-process", *args], env=env,
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        from rlhf_jax.errors import UserError
+
+        how = (f"was killed by signal {-out.returncode}" if out.returncode < 0
+               else f"exited with {out.returncode}")
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise UserError(f"{module} on {devices} simulated CPU devices {how}: {last}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def scale_arg(argv: list[str]) -> str:
+    """The NAME of `--scale NAME` in a benchmark module's command line (default workload)."""
+    return argv[argv.index("--scale") + 1] if "--scale" in argv else "workload"

@@ -14,6 +14,9 @@ the generate-layout parameters and the cache, measured right after each timed de
 - `decode.bound_tokens_per_s` = slots / copy_seconds.
 - `decode.ratio_to_bound` = tokens_per_s / bound_tokens_per_s (= copy_seconds /
   step_seconds). Target: >= 0.3.
+
+At `scale="0.5b"`: the Qwen2.5-0.5B architecture, bfloat16 compute and cache (float32
+parameters, as the trainer holds them), 64 slots of 128-token prompts, 128 new tokens each.
 """
 
 from __future__ import annotations
@@ -25,13 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlhf_jax.benchmarks.common import (
-    WORKLOAD_PAD_ID,
-    Timing,
-    timed,
-    workload_model_config,
-    workload_prompts,
-)
+from rlhf_jax.benchmarks.common import Timing, get_scale, timed, workload_prompts
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, ModelConfig
 from rlhf_jax.rollout import Engine, SamplingParams
@@ -46,23 +43,34 @@ def tree_bytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def run(*, small: bool = False, batch: int = 32, prompt_len: int = 64, new_tokens: int = 64,
-        warmup: int = 1, repeats: int = 3) -> dict:
-    """Decode tokens/s and the copy bound (`small`: a tiny model, for the smoke test)."""
-    cfg = workload_model_config()
-    compiler_options = None
+SIZES = {  # per scale: slots, prompt length, new tokens per slot, warm-up, repeats
+    "workload": dict(batch=32, prompt_len=64, new_tokens=64, warmup=1, repeats=3),
+    "0.5b": dict(batch=64, prompt_len=128, new_tokens=128, warmup=1, repeats=3),
+}
+
+
+def run(*, small: bool = False, scale="workload", **sizes) -> dict:
+    """Decode tokens/s and the copy bound (`small`: a tiny model, for the smoke test).
+
+    `sizes` override the scale's `SIZES` entry."""
+    scale = get_scale(scale)
+    kw = {**SIZES[scale.name], **sizes}
+    cfg, compiler_options = scale.model_config(), None
     if small:
         from rlhf_jax.benchmarks.mfu import FAST_COMPILE
 
         cfg, compiler_options = ModelConfig.from_hf(SMALL_MODEL), FAST_COMPILE
-        batch, prompt_len, new_tokens, warmup, repeats = 4, 8, 8, 1, 1
+        kw = dict(batch=4, prompt_len=8, new_tokens=8, warmup=1, repeats=1)
+    batch, prompt_len, new_tokens = kw["batch"], kw["prompt_len"], kw["new_tokens"]
+    warmup, repeats = kw["warmup"], kw["repeats"]
     spec = load_mesh_spec("single")
     mesh = make_mesh(spec)
     rules = spec.generate_rules
-    model = Model(cfg).with_layout(mesh, rules)
+    model = Model(cfg, dtype=scale.dtype).with_layout(mesh, rules)
     params = model.init(jax.random.key(0), mesh, rules)
+    pad = scale.pad_id(cfg)
     sampling = SamplingParams(temperature=1.0, max_response_length=new_tokens,
-                              eos_ids=(WORKLOAD_PAD_ID,), pad_id=WORKLOAD_PAD_ID)
+                              eos_ids=(pad,), pad_id=pad)
     engine = Engine(model, mesh, rules, max_concurrent_decodes=batch,
                     max_prefill_length=prompt_len, max_decode_length=new_tokens,
                     prefill_buckets=(prompt_len,), sampling=sampling,
@@ -106,6 +114,8 @@ def run(*, small: bool = False, batch: int = 32, prompt_len: int = 64, new_token
         "decode.slots": batch,
         "decode.steps": steps,
         "decode.cache_length": engine.cache_length,
+        "decode.scale": scale.name,
+        "decode.dtype": scale.dtype,
     }
 
 

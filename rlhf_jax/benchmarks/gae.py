@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from rlhf_jax import core_algos
-from rlhf_jax.benchmarks.common import timed
+from rlhf_jax.benchmarks.common import get_scale, timed
 
 
 def numpy_gae(rewards, values, mask, gamma: float, lam: float):
@@ -58,8 +58,11 @@ def inputs(batch: int, time: int, seed: int = 0):
     return rewards, values, mask
 
 
-def run(*, small: bool = False, batch: int = 512, time: int = 2048, repeats: int = 25) -> dict:
-    """Both GAE implementations on the same `[batch, time]` arrays."""
+def run(*, small: bool = False, scale="workload", batch: int = 512, time: int = 2048,
+        repeats: int = 25) -> dict:
+    """Both GAE implementations on the same `[batch, time]` arrays (float32 at every scale:
+    GAE has no model)."""
+    get_scale(scale)
     if small:
         batch, time, repeats = 8, 16, 1
     gamma, lam = 1.0, 0.95

@@ -14,21 +14,21 @@ the ideal per-device share is total / (fsdp x tensor) = total / 4. For the WORKL
   gave the moments their parameters' shardings: the reference that shows what is saved.
 
 With fewer than 8 devices in this process it runs itself in a subprocess with 8 simulated
-CPU devices (`python -m rlhf_jax.benchmarks.memory --in-process` prints the JSON).
+CPU devices (`python -m rlhf_jax.benchmarks.memory --in-process [--scale NAME]` prints the
+JSON). At `scale="0.5b"` the roles are the Qwen2.5-0.5B architecture's (float32 state, as the
+trainer holds it whatever the compute dtype).
 """
 
 from __future__ import annotations
 
 import collections
 import json
-import os
-import subprocess
 import sys
 
 import jax
 
 from rlhf_jax import train_steps as ts
-from rlhf_jax.benchmarks.common import workload_model_config
+from rlhf_jax.benchmarks.common import get_scale, on_cpu_devices, scale_arg, workload_model_config
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model
 
@@ -80,6 +80,7 @@ def measure(model_cfg=None, with_critic: bool = True) -> dict:
         "memory.opt_state_replicated_ratio_to_ideal": ratio(replicated_opt, shard),
         "memory.generate_params_ratio_to_ideal": ratio(gen, mesh.shape["tensor"]),
         "memory.mesh": "x".join(str(mesh.shape[a]) for a in mesh.axis_names),
+        "memory.params": cfg.num_matmul_params,
     }
 
 
@@ -89,37 +90,28 @@ SMALL_MODEL = dict(model_type="qwen2", vocab_size=64, hidden_size=32, num_hidden
                    tie_word_embeddings=False)
 
 
-def _model_cfg(small: bool):
+def _model_cfg(small: bool, scale="workload"):
     from rlhf_jax.models import ModelConfig
 
-    return ModelConfig.from_hf(SMALL_MODEL) if small else None
+    return ModelConfig.from_hf(SMALL_MODEL) if small else get_scale(scale).model_config()
 
 
-def _in_subprocess(small: bool, devices: int = 8) -> dict:
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
-    cmd = [sys.executable, "-m", "rlhf_jax.benchmarks.memory", "--in-process"]
-    out = subprocess.run(cmd + (["--small"] if small else []), env=env, capture_output=True,
-                         text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def run(*, small: bool = False) -> dict:
+def run(*, small: bool = False, scale="workload") -> dict:
     """The memory figures; in a subprocess with 8 CPU devices when this process has fewer.
 
     `small`: a tiny model and no critic instead of the WORKLOAD roles (the smoke test).
     """
+    scale = get_scale(scale).name
     if jax.device_count() >= 8:
-        return measure(_model_cfg(small), with_critic=not small)
-    return _in_subprocess(small)
+        return measure(_model_cfg(small, scale), with_critic=not small)
+    return on_cpu_devices("rlhf_jax.benchmarks.memory", "--scale", scale,
+                          *(["--small"] if small else []))
 
 
 if __name__ == "__main__":
     if "--in-process" in sys.argv:
         small = "--small" in sys.argv
-        print(json.dumps(measure(_model_cfg(small), with_critic=not small)))
+        name = scale_arg(sys.argv)
+        print(json.dumps(measure(_model_cfg(small, name), with_critic=not small)))
     else:
         print(json.dumps(run(), indent=1, sort_keys=True))

@@ -9,6 +9,10 @@
 The bench model: Qwen2 layout, hidden 1024, 8 layers, MLP 2816, 16 heads (8 KV heads),
 vocab 8192, float32 (111M matmul parameters); sequences of 128 prompt + 128 response tokens;
 batch 2 in 2 micro-batches of 1 (gradient accumulation 2), one device (`single` mesh).
+At `scale="0.5b"`: the Qwen2.5-0.5B architecture with bfloat16 compute, sequences of 512 + 512
+tokens, batch 16 in 2 micro-batches of 8, against a bfloat16 8192^3 matmul peak; where the
+device's datasheet peak is known (`metrics.PEAK_FLOPS`), also
+`mfu.ratio_to_datasheet_peak`.
 
 Also home of the helpers the other benchmarks share: `matmul_peak_flops` and
 `CompileCounter` (XLA compilations, from `jax.monitoring`).
@@ -28,7 +32,7 @@ import numpy as np
 
 from rlhf_jax import batching
 from rlhf_jax import train_steps as ts
-from rlhf_jax.benchmarks.common import Timing, timed
+from rlhf_jax.benchmarks.common import Timing, datasheet_peak, get_scale, timed
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.metrics import train_flops
 from rlhf_jax.models import Model, ModelConfig
@@ -106,15 +110,26 @@ def actor_batch(mesh, batch_axes, *, batch: int, micro: int, prompt_len: int,
     return ts.ActorBatch(*dev, *counts)
 
 
-def run(*, small: bool = False, batch: int = 2, micro: int = 1, prompt_len: int = 128,
-        response_len: int = 128, warmup: int = 1, repeats: int = 3) -> dict:
-    """The actor update's MFU (small=True: a tiny model, for the smoke test)."""
+SIZES = {  # per scale: batch, micro-batch, prompt and response lengths, warm-up, repeats
+    "workload": dict(batch=2, micro=1, prompt_len=128, response_len=128, warmup=1, repeats=3),
+    "0.5b": dict(batch=16, micro=8, prompt_len=512, response_len=512, warmup=2, repeats=5),
+}
+
+
+def run(*, small: bool = False, scale="workload", **sizes) -> dict:
+    """The actor update's MFU (small=True: a tiny model, for the smoke test).
+
+    `sizes` override the scale's `SIZES` entry (batch, micro, prompt_len, ...)."""
+    scale = get_scale(scale)
+    kw = {**SIZES[scale.name], **sizes}
     if small:
-        batch, micro, prompt_len, response_len, warmup, repeats = 2, 1, 8, 8, 1, 1
-    cfg = ModelConfig.from_hf(SMALL_MODEL if small else BENCH_MODEL)
+        kw = dict(batch=2, micro=1, prompt_len=8, response_len=8, warmup=1, repeats=1)
+    batch, micro = kw["batch"], kw["micro"]
+    prompt_len, response_len = kw["prompt_len"], kw["response_len"]
+    cfg = ModelConfig.from_hf(SMALL_MODEL) if small else scale.model_config(BENCH_MODEL)
     spec = load_mesh_spec("single")
     mesh = make_mesh(spec)
-    model = Model(cfg).with_layout(mesh, spec.train_rules)
+    model = Model(cfg, dtype=scale.dtype).with_layout(mesh, spec.train_rules)
     optim = ts.OptimConfig(lr=1e-6, weight_decay=0.0, grad_clip=1.0)
     state = ts.init_state(model.init(jax.random.key(0), mesh, spec.train_rules),
                           ts.make_optimizer(optim))
@@ -134,27 +149,37 @@ def run(*, small: bool = False, batch: int = 2, micro: int = 1, prompt_len: int 
         return m
 
     # Steps and peak samples in turns, so that both see the same load of a shared machine.
+    peak_n = 64 if small else scale.peak_n
     peaks, times = [], []
-    for i in range(warmup + repeats):
+    for i in range(kw["warmup"] + kw["repeats"]):
         t = timed(one, warmup=0, repeats=1).min
-        if i >= warmup:
+        if i >= kw["warmup"]:
             times.append(t)
-            peaks.append(matmul_peak_flops(repeats=3 if small else 5))
+            peaks.append(matmul_peak_flops(peak_n, repeats=3 if small else 5,
+                                           dtype=jnp.dtype(scale.dtype)))
     t, peak = Timing(tuple(times)), statistics.median(peaks)
     seq_lens = np.full(batch, prompt_len + response_len)
     flops = train_flops(cfg, seq_lens)
     no_embed = flops - 6.0 * cfg.vocab_size * cfg.hidden_size * float(seq_lens.sum())
-    return {
+    out = {
         "mfu.ratio": flops / (t.median * peak),
         "mfu.ratio_without_embedding_flops": no_embed / (t.median * peak),
         "mfu.step_seconds": t.median,
         "mfu.model_flops_per_step": flops,
         "mfu.model_flops_per_s": flops / t.median,
         "mfu.peak_matmul_flops": peak,
+        "mfu.peak_matmul_n": peak_n,
         "mfu.params": cfg.num_matmul_params,
         "mfu.tokens_per_step": float(seq_lens.sum()),
         "mfu.micro_batches": batch // micro,
+        "mfu.scale": scale.name,
+        "mfu.dtype": scale.dtype,
     }
+    sheet = datasheet_peak(scale.dtype)
+    if sheet is not None:
+        out["mfu.datasheet_peak_flops"] = sheet
+        out["mfu.ratio_to_datasheet_peak"] = flops / (t.median * sheet)
+    return out
 
 
 if __name__ == "__main__":

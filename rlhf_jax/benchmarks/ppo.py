@@ -34,6 +34,11 @@ iterations, a fresh batch of prompts each; every figure is a median over the mea
   iterations (Linux `/proc/stat`; absent elsewhere): a slow run of a shared VM shows here.
 - `ppo.compiles_measured`: XLA compilations during the measured iterations (0 if every step
   compiles once).
+
+At `scale="0.5b"` (for one accelerator): the same iteration on the Qwen2.5-0.5B architecture
+with bfloat16 compute, 64 prompts of 128 tokens, 128 new tokens each, micro-batch 16, against a
+bfloat16 8192^3 matmul peak, 1 warm-up and 3 measured iterations. TRL's run belongs to the
+workload scale only.
 """
 
 from __future__ import annotations
@@ -52,8 +57,8 @@ import numpy as np
 from rlhf_jax import batching, ppo
 from rlhf_jax import train_steps as ts
 from rlhf_jax.benchmarks.common import (
-    WORKLOAD_PAD_ID,
     cpu_ticks,
+    get_scale,
     peak_rss_mb,
     workload_model_config,
     workload_prompts,
@@ -100,14 +105,15 @@ class PPOIteration:
       batch, prompt_len, new_tokens: prompts per iteration, their length, response length.
       micro_batch: micro-batch rows (gradient accumulation = batch / micro_batch); also the
         chunk of the log-prob / value passes, as in the trainer.
-      model_cfg: the architecture (default: WORKLOAD.md's).
+      model_cfg: the architecture (default: WORKLOAD.md's); dtype: its compute dtype.
       steps_per_call, max_prefill_batch: forwarded to `generate_sequences` (None: its
         defaults, which the trainer uses).
       compiler_options: XLA options of every jitted step (the smoke test compiles faster).
     """
 
     def __init__(self, *, batch: int = 32, prompt_len: int = 64, new_tokens: int = 64,
-                 micro_batch: int = 8, model_cfg=None, steps_per_call: int | None = None,
+                 micro_batch: int = 8, model_cfg=None, dtype: str = "float32",
+                 steps_per_call: int | None = None,
                  max_prefill_batch: int | None = None, seed: int = 0,
                  compiler_options: dict | None = None):
         self.spec = load_mesh_spec("single")
@@ -120,8 +126,8 @@ class PPOIteration:
                                           ("max_prefill_batch", max_prefill_batch))
                        if v is not None}
         rng = jax.random.key(seed)
-        self.actor_model = Model(cfg).with_layout(self.mesh, rules)
-        self.critic_model = Model(cfg, "value").with_layout(self.mesh, rules)
+        self.actor_model = Model(cfg, dtype=dtype).with_layout(self.mesh, rules)
+        self.critic_model = Model(cfg, "value", dtype=dtype).with_layout(self.mesh, rules)
         no_clip = dict(weight_decay=0.0, grad_clip=0.0)
         self.actor_optim = ts.OptimConfig(lr=1e-6, **no_clip)
         self.critic_optim = ts.OptimConfig(lr=1e-5, **no_clip)
@@ -133,8 +139,9 @@ class PPOIteration:
         gen_rules = self.spec.generate_rules
         self.gen_shardings = self.actor_model.shardings(self.mesh, gen_rules)
         self.gen_params = reshard(self.actor.params, self.gen_shardings)
+        pad = cfg.vocab_size  # one past the vocabulary: EOS never sampled, never embedded
         self.sampling = SamplingParams(temperature=1.0, max_response_length=new_tokens,
-                                       eos_ids=(WORKLOAD_PAD_ID,), pad_id=WORKLOAD_PAD_ID)
+                                       eos_ids=(pad,), pad_id=pad)
         self.engine = Engine(self.actor_model.with_layout(self.mesh, gen_rules), self.mesh,
                              gen_rules, max_concurrent_decodes=batch,
                              max_prefill_length=prompt_len, max_decode_length=new_tokens,
@@ -284,17 +291,32 @@ def _trl_figures(runs: list[dict], tokens: int) -> dict:
     }
 
 
-def run(*, small: bool = False, warmup: int = 2, repeats: int = 5,
-        trl_python: str | None = None, rounds: int = 2, **overrides) -> dict:
+SIZES = {  # per scale: prompts per iteration, their length, new tokens, micro-batch rows
+    "workload": dict(batch=32, prompt_len=64, new_tokens=64, micro_batch=8),
+    "0.5b": dict(batch=64, prompt_len=128, new_tokens=128, micro_batch=16),
+}
+ITERATIONS = {"workload": (2, 5), "0.5b": (1, 3)}  # per scale: (warm-up, measured)
+
+
+def run(*, small: bool = False, scale="workload", warmup: int | None = None,
+        repeats: int | None = None, trl_python: str | None = None, rounds: int = 2,
+        **overrides) -> dict:
     """The WORKLOAD.md iteration, or with `small=True` a shrunken one for the smoke test.
 
-    `trl_python`: also run TRL's PPO on the workload, `rounds` times, in turns with this
-    trainer's measured iterations (see the module doc). `overrides` go to `PPOIteration`
-    (e.g. `steps_per_call=64` to try a rollout setting).
+    `scale`: `workload` (WORKLOAD.md) or `0.5b` (see the module doc). `trl_python`: also run
+    TRL's PPO on the workload, `rounds` times, in turns with this trainer's measured
+    iterations (see the module doc). `overrides` go to `PPOIteration` (e.g.
+    `steps_per_call=64` to try a rollout setting).
     """
+    scale = get_scale(scale)
+    warmup = ITERATIONS[scale.name][0] if warmup is None else warmup
+    repeats = ITERATIONS[scale.name][1] if repeats is None else repeats
     if trl_python is not None:
+        if scale.name != "workload":
+            raise UserError(f"--trl-python runs TRL on WORKLOAD.md's model: it does not go "
+                            f"with --scale {scale.name}")
         check_trl(trl_python, TRL_SCRIPT)  # a broken environment fails before any work
-    kw = dict(batch=32, prompt_len=64, new_tokens=64, micro_batch=8)
+    kw = dict(SIZES[scale.name], dtype=scale.dtype, model_cfg=scale.model_config())
     if small:
         from rlhf_jax.models import ModelConfig
 
@@ -327,7 +349,9 @@ def run(*, small: bool = False, warmup: int = 2, repeats: int = 5,
             if before and after:
                 steal = [steal[0] + after[0] - before[0], steal[1] + after[1] - before[1]]
             # the peak right after each iteration, under the same load of a shared machine
-            peaks.append(matmul_peak_flops(repeats=3 if small else 5))
+            peaks.append(matmul_peak_flops(64 if small else scale.peak_n,
+                                           repeats=3 if small else 5,
+                                           dtype=jnp.dtype(scale.dtype)))
             with counter.counting(True):
                 bypassed.append(it.step(prompts[warmup + r * repeats + j], bypass=True))
     peak = statistics.median(peaks)
@@ -343,13 +367,16 @@ def run(*, small: bool = False, warmup: int = 2, repeats: int = 5,
         "ppo.peak_matmul_flops": peak,
         "ppo.bound_seconds": flops / peak,
         "ppo.flop_bound_ratio": flops / (peak * seconds),
-        "ppo.trl_tokens_per_s_reference": TRL_TOKENS_PER_S,
-        "ppo.ratio_to_trl_reference": tokens / seconds / TRL_TOKENS_PER_S,
         "ppo.measured_iterations": len(records),
         "ppo.compiles_measured": counter.count,
         "ppo.devices": jax.device_count(),
+        "ppo.scale": scale.name,
+        "ppo.dtype": scale.dtype,
         "ppo.peak_rss_mb": peak_rss_mb(),
     }
+    if scale.name == "workload":  # WORKLOAD.md's TRL figure is for its model only
+        out["ppo.trl_tokens_per_s_reference"] = TRL_TOKENS_PER_S
+        out["ppo.ratio_to_trl_reference"] = tokens / seconds / TRL_TOKENS_PER_S
     if steal[1] > 0:
         out["ppo.cpu_steal_fraction"] = steal[0] / steal[1]
     bypass_seconds = statistics.median(r["step"] for r in bypassed)

@@ -15,21 +15,21 @@ the same devices. Both are measured in the same run:
   (XLA's all-gathers), which `reshard` uses off CPU; for comparison.
 
 With fewer than 8 devices in this process it runs itself in a subprocess with 8 simulated
-CPU devices (`python -m rlhf_jax.benchmarks.reshard --in-process` prints the JSON).
+CPU devices (`python -m rlhf_jax.benchmarks.reshard --in-process [--scale NAME]` prints the
+JSON). At `scale="0.5b"` the parameters are the Qwen2.5-0.5B architecture's (float32, 10
+repeats).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from rlhf_jax.benchmarks.common import interleaved, workload_model_config
+from rlhf_jax.benchmarks.common import get_scale, interleaved, on_cpu_devices, scale_arg
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, ModelConfig
 from rlhf_jax.rollout import reshard
@@ -45,13 +45,19 @@ def device_bytes(tree) -> int:
     return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards)
 
 
-def measure(small: bool = False, warmup: int = 2, repeats: int = 30) -> dict:
+REPEATS = {"workload": 30, "0.5b": 10}
+
+
+def measure(small: bool = False, scale="workload", warmup: int = 2,
+            repeats: int | None = None) -> dict:
     """The figures on this process's devices (8 needed for the cpu-8 mesh)."""
+    scale = get_scale(scale)
+    repeats = repeats or REPEATS[scale.name]
     if small:
         warmup, repeats = 1, 2
     spec = load_mesh_spec("cpu-8")
     mesh = make_mesh(spec)
-    model = Model(ModelConfig.from_hf(SMALL_MODEL) if small else workload_model_config())
+    model = Model(ModelConfig.from_hf(SMALL_MODEL) if small else scale.model_config())
     gen = model.shardings(mesh, spec.generate_rules)
     params = model.init(jax.random.key(0), mesh, spec.train_rules)
     out = reshard(params, gen)
@@ -72,30 +78,22 @@ def measure(small: bool = False, warmup: int = 2, repeats: int = 30) -> dict:
         "reshard.param_bytes": sum(x.nbytes for x in jax.tree.leaves(params)),
         "reshard.devices": jax.device_count(),
         "reshard.mesh": "x".join(str(mesh.shape[a]) for a in mesh.axis_names),
+        "reshard.scale": scale.name,
     }
 
 
-def _in_subprocess(small: bool, devices: int = 8) -> dict:
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
-    cmd = [sys.executable, "-m", "rlhf_jax.benchmarks.reshard", "--in-process"]
-    out = subprocess.run(cmd + (["--small"] if small else []), env=env, capture_output=True,
-                         text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def run(*, small: bool = False) -> dict:
+def run(*, small: bool = False, scale="workload") -> dict:
     """The reshard figures; in a subprocess with 8 CPU devices when this process has fewer."""
+    scale = get_scale(scale).name
     if jax.device_count() >= 8:
-        return measure(small)
-    return _in_subprocess(small)
+        return measure(small, scale)
+    return on_cpu_devices("rlhf_jax.benchmarks.reshard", "--scale", scale,
+                          *(["--small"] if small else []))
 
 
 if __name__ == "__main__":
     if "--in-process" in sys.argv:
-        print(json.dumps(measure("--small" in sys.argv)))
+        name = scale_arg(sys.argv)
+        print(json.dumps(measure("--small" in sys.argv, name)))
     else:
         print(json.dumps(run(), indent=1, sort_keys=True))

@@ -1,24 +1,17 @@
-"""Rollout benchmark: decode with the KV cache against full recompute, and resharding.
+"""Rollout benchmark: decode with the KV cache against full recompute.
 
 - `rollout.decode_tokens_per_s`: new tokens per second of `generate_sequences` (prefill and
   decode, KV cache) on the WORKLOAD model, 32 prompts of 64 tokens, 64 new tokens each.
 - `rollout.nocache_tokens_per_s`: the same tokens drawn by recomputing the full forward over
   the whole [32, 128] buffer at every step (one jitted loop, no cache); `cache_speedup` is
   the ratio, measured in the same run.
-- `reshard.seconds`: the WORKLOAD parameters train layout -> generate layout with `reshard`;
-  `reshard.copy_seconds`: a plain on-device copy of the same arrays (same sharding, one jit);
-  `ratio_to_copy` = seconds / copy_seconds. With one device both layouts coincide, so the
-  reshard part runs in a subprocess with 8 simulated CPU devices (`reshard.devices` says).
 
-`python -m rlhf_jax.benchmarks.rollout --reshard-only` prints the reshard part as JSON.
+At `scale="0.5b"`: the Qwen2.5-0.5B architecture with bfloat16 compute, 64 prompts of 128
+tokens, 128 new tokens each. The train -> generate reshard has its own benchmark, `reshard`.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import subprocess
 import sys
 from typing import Any
 
@@ -26,22 +19,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlhf_jax.benchmarks.common import (
-    WORKLOAD_PAD_ID,
-    timed,
-    workload_model_config,
-    workload_prompts,
-)
+from rlhf_jax.benchmarks.common import get_scale, timed, workload_prompts
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
-from rlhf_jax.models import Model
-from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, reshard
+from rlhf_jax.models import Model, ModelConfig
+from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences
 from rlhf_jax.rollout.sampling import request_keys, sample_tokens
 
+SMALL_MODEL = dict(model_type="qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                   max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+                   tie_word_embeddings=False)
 
-def workload_sampling(new_tokens: int) -> SamplingParams:
-    """Plain ancestral sampling at temperature 1, EOS disabled (WORKLOAD.md)."""
+
+def workload_sampling(new_tokens: int, pad_id: int) -> SamplingParams:
+    """Plain ancestral sampling at temperature 1, EOS disabled: `pad_id` is one past the
+    vocabulary (WORKLOAD.md)."""
     return SamplingParams(temperature=1.0, max_response_length=new_tokens,
-                          eos_ids=(WORKLOAD_PAD_ID,), pad_id=WORKLOAD_PAD_ID)
+                          eos_ids=(pad_id,), pad_id=pad_id)
 
 
 def make_engine(model: Model, mesh, rules, *, batch: int, prompt_len: int,
@@ -49,7 +43,7 @@ def make_engine(model: Model, mesh, rules, *, batch: int, prompt_len: int,
     """An engine with one slot per sequence and one prefill bucket."""
     return Engine(model, mesh, rules, max_concurrent_decodes=batch, max_prefill_length=prompt_len,
                   max_decode_length=new_tokens, prefill_buckets=(prompt_len,),
-                  sampling=workload_sampling(new_tokens))
+                  sampling=workload_sampling(new_tokens, model.cfg.vocab_size))
 
 
 def generate(engine: Engine, params, prompts: np.ndarray, rng) -> Any:
@@ -87,15 +81,14 @@ def nocache_generate_fn(model: Model, sampling: SamplingParams, prompt_len: int,
     return jax.jit(run)
 
 
-def decode_benchmark(*, batch: int = 32, prompt_len: int = 64, new_tokens: int = 64,
+def decode_benchmark(model: Model, *, batch: int, prompt_len: int, new_tokens: int,
                      warmup: int = 1, repeats: int = 3, mesh_name: str = "single") -> dict:
     spec = load_mesh_spec(mesh_name)
     mesh = make_mesh(spec)
-    model = Model(workload_model_config())
     params = model.init(jax.random.key(0), mesh, spec.generate_rules)
     engine = make_engine(model, mesh, spec.generate_rules, batch=batch, prompt_len=prompt_len,
                          new_tokens=new_tokens)
-    prompts = workload_prompts(warmup + repeats, batch, prompt_len)
+    prompts = workload_prompts(warmup + repeats, batch, prompt_len) % model.cfg.vocab_size
     rng = jax.random.key(1)
     it = iter(range(len(prompts)))
     outs = []
@@ -134,64 +127,26 @@ def decode_benchmark(*, batch: int = 32, prompt_len: int = 64, new_tokens: int =
     }
 
 
-def _reshard_mesh_spec(n: int):
-    spec = load_mesh_spec("cpu-8")
-    if n == 8:
-        return spec
-    tensor = 2 if n % 2 == 0 else 1
-    return load_mesh_spec("cpu-8", {"data": 1, "fsdp": n // tensor, "tensor": tensor})
+SIZES = {  # per scale: prompts, prompt length, new tokens each, measured repeats
+    "workload": dict(batch=32, prompt_len=64, new_tokens=64, repeats=3),
+    "0.5b": dict(batch=64, prompt_len=128, new_tokens=128, repeats=3),
+}
 
 
-def reshard_benchmark(*, warmup: int = 2, repeats: int = 10) -> dict:
-    """Train -> generate layout of the WORKLOAD parameters against a same-layout copy."""
-    n = jax.device_count()
-    spec = _reshard_mesh_spec(n)
-    mesh = make_mesh(spec)
-    model = Model(workload_model_config())
-    train = model.shardings(mesh, spec.train_rules)
-    gen = model.shardings(mesh, spec.generate_rules)
-    params = model.init(jax.random.key(0), mesh, spec.train_rules)
-    t_reshard = timed(lambda: reshard(params, gen), warmup=warmup, repeats=repeats)
-    copy = jax.jit(functools.partial(jax.tree.map, jnp.copy), out_shardings=train)
-    t_copy = timed(lambda: copy(params), warmup=warmup, repeats=repeats)
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    return {
-        "reshard.seconds": t_reshard.median,
-        "reshard.copy_seconds": t_copy.median,
-        "reshard.ratio_to_copy": t_reshard.median / t_copy.median,
-        "reshard.bytes": nbytes,
-        "reshard.devices": n,
-        "reshard.mesh": "x".join(str(mesh.shape[a]) for a in mesh.axis_names),
-    }
-
-
-def _reshard_in_subprocess(devices: int = 8) -> dict:
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
-    out = subprocess.run([sys.executable, "-m", "rlhf_jax.benchmarks.rollout", "--reshard-only"],
-                         env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def run(*, small: bool = False, batch: int = 32, prompt_len: int = 64, new_tokens: int = 64,
-        repeats: int = 3, reshard_repeats: int = 10) -> dict:
-    """The rollout and reshard figures as one flat dict (`small`: a quick smoke-test size)."""
+def run(*, small: bool = False, scale="workload", **sizes) -> dict:
+    """The rollout figures as one flat dict (`small`: a quick smoke-test size)."""
+    scale = get_scale(scale)
+    kw = {**SIZES[scale.name], **sizes}
+    cfg = scale.model_config()
     if small:
-        batch, prompt_len, new_tokens, repeats, reshard_repeats = 4, 16, 8, 1, 2
-    out = decode_benchmark(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                           repeats=repeats)
-    del reshard_repeats
-    from rlhf_jax.benchmarks import reshard as reshard_bench  # the reshard figures, as `reshard`
-
-    out.update(reshard_bench.run(small=small))
+        kw, cfg = dict(batch=4, prompt_len=16, new_tokens=8, repeats=1), \
+            ModelConfig.from_hf(SMALL_MODEL)
+    out = decode_benchmark(Model(cfg, dtype=scale.dtype), **kw)
+    out.update({"rollout.scale": scale.name, "rollout.dtype": scale.dtype})
     return out
 
 
 if __name__ == "__main__":
-    if "--reshard-only" in sys.argv:
-        print(json.dumps(reshard_benchmark()))
-    else:
-        print(json.dumps(run(), indent=1))
+    import json
+
+    print(json.dumps(run(small="--small" in sys.argv), indent=1))
