@@ -35,6 +35,11 @@ def _fresh_warnings(monkeypatch):
 def test_cpu_fallback_warns_once_and_is_a_no_op(capsys):
     cfg = _cfg("actor_rollout_ref.ref.param_offload=true",
                "actor_rollout_ref.actor.optimizer_offload=true")
+    if jax.default_backend() != "cpu":  # RLHF_JAX_TEST_PLATFORM=cuda: the real thing
+        assert offload.host_offload_supported()
+        assert all(offload.plan(cfg)[k].enabled for k in ("ref", "actor"))
+        assert capsys.readouterr().err == ""
+        return
     assert not offload.host_offload_supported()
     plans = [offload.plan(cfg), offload.plan(cfg)]
     lines = capsys.readouterr().err.strip().splitlines()
@@ -67,8 +72,13 @@ def test_plan_enables_the_asked_roles_where_supported(monkeypatch, capsys):
     assert plan["ref"].key == "actor_rollout_ref.ref.param_offload"
 
 
+def _spec():
+    """The (2,2,2) mesh; on one accelerator (RLHF_JAX_TEST_PLATFORM), the single device."""
+    return load_mesh_spec("cpu-8" if jax.device_count() >= 8 else "single")
+
+
 def _mesh():
-    return make_mesh(load_mesh_spec("cpu-8"))
+    return make_mesh(_spec())
 
 
 def test_sharding_with_memory_kind():
@@ -100,7 +110,7 @@ def test_enabled_offload_moves_memory_kind_and_keeps_layout():
 
 
 def _update_setup():
-    spec = load_mesh_spec("cpu-8")
+    spec = _spec()
     mesh = make_mesh(spec)
     model = Model(CFG)
     params = model.init(jax.random.key(0), mesh, spec.train_rules)
