@@ -190,16 +190,21 @@ def test_prefill_insert_generate_follow_the_full_forward(setup):
     assert kernel.sharding.spec == P(None, None, "tensor")
 
 
+def _decode_inputs(model, seed: int):
+    """A random [L, 4, K, 8, H] cache, one token per row and the rows' write indices."""
+    rng = np.random.default_rng(seed)
+    cache = KVCache(*(jnp.asarray(rng.normal(size=c.shape), jnp.float32)
+                      for c in model.init_cache(4, 8)))
+    ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (4, 1)), jnp.int32)
+    return cache, ids, jnp.asarray([0, 3, 5, 7], jnp.int32)
+
+
 def test_per_layer_cache_decodes_like_the_stacked_one(setup):
     """The decode loop's per-layer cache (unrolled layers, blocks in place), with the stacked
     parameters or their `per_layer_params` split, gives the same logits and the same written
     cache as the stacked cache (scanned layers), sharded."""
     model, _, params = setup
-    rng = np.random.default_rng(1)
-    cache = KVCache(*(jnp.asarray(rng.normal(size=c.shape), jnp.float32)
-                      for c in model.init_cache(4, 8)))
-    ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (4, 1)), jnp.int32)
-    wi = jnp.asarray([0, 3, 5, 7], jnp.int32)
+    cache, ids, wi = _decode_inputs(model, 1)
     step = jax.jit(model.decode)
     want_logits, want_cache = step(params, ids, wi[:, None], cache, wi)
     split = per_layer_params(params)
@@ -215,6 +220,27 @@ def test_per_layer_cache_decodes_like_the_stacked_one(setup):
         for got, want in zip(got_cache.stacked(), want_cache, strict=True):
             np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
     assert not np.allclose(want_cache.k, cache.k)  # the step wrote something
+
+
+def test_one_token_decode_as_products_equals_the_contraction(setup, monkeypatch):
+    """CPU's products-and-sums decode attention and the batched contraction used off CPU
+    (`decode_as_products`) give the same logits and cache; the contraction adds its two
+    attention matmuls to the (scanned) layer body."""
+    from rlhf_jax.models import transformer
+
+    model, _, params = setup
+    cache, ids, wi = _decode_inputs(model, 2)
+    args = (params, ids, wi[:, None], cache, wi)
+    dots = lambda: str(jax.make_jaxpr(model.decode)(*args)).count("dot_general")
+    assert transformer.decode_as_products()  # the CPU default
+    want_logits, want_cache = jax.jit(model.decode)(*args)
+    n_products = dots()
+    monkeypatch.setattr(transformer, "decode_as_products", lambda: False)
+    got_logits, got_cache = jax.jit(model.decode)(*args)
+    assert dots() == n_products + 2
+    np.testing.assert_allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    for got, want in zip(got_cache, want_cache, strict=True):  # later layers: rounding apart
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_existing_prefix_continues_the_prompt(setup):
