@@ -165,7 +165,6 @@ class Trainer(Recovery):
         cfg, lay = self.cfg, self.layouts
         a = cfg.actor_rollout_ref.actor
         temperature = cfg.actor_rollout_ref.rollout.temperature
-        self.on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
         loss = ts.ActorLoss(
             clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low,
             clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
