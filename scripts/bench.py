@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    failed = []
     for name in chosen:
         kw = {"scale": args.scale}
         if name == "ppo" and args.trl_python:
@@ -86,14 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         try:
             result.update(importlib.import_module(f"rlhf_jax.benchmarks.{name}").run(**kw))
-        except UserError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        except UserError as exc:  # one line; the other benchmarks' figures still count
+            print(f"error: {name}: {exc}", file=sys.stderr)
+            failed.append(name)
+            continue
         result[f"{name}.wall_seconds"] = time.perf_counter() - t0
     result.update({"scale": args.scale, "devices": device_info(), "versions": versions(),
                    "peak_rss_mb": peak_rss_mb()})
+    if failed:
+        result["failed"] = failed
     print(json.dumps(result, indent=1, sort_keys=True))
-    return 0
+    return 2 if failed else 0
 
 
 if __name__ == "__main__":

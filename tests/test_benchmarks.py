@@ -160,7 +160,8 @@ def test_a_failed_cpu_subprocess_is_one_line_error():
         on_cpu_devices("rlhf_jax.benchmarks.nope")
 
 
-def test_bench_script_lists_every_benchmark():
+def _bench_script():
+    """`scripts/bench.py` as a module."""
     import importlib.util
     import pathlib
 
@@ -168,6 +169,11 @@ def test_bench_script_lists_every_benchmark():
     spec = importlib.util.spec_from_file_location("bench_script", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_script_lists_every_benchmark():
+    bench = _bench_script()
     assert bench.available() == ["decode", "gae", "memory", "mfu", "ppo", "reshard", "rollout"]
     assert bench.main(["nope"]) == 2
     assert bench.main(["gae", "--trl-python", sys.executable]) == 2  # TRL goes with ppo only
@@ -225,3 +231,24 @@ def test_ppo_builds_the_scale_iteration(monkeypatch):
         ppo.run(scale="0.5b")
     assert seen["dtype"] == "bfloat16" and seen["model_cfg"].vocab_size == 151936
     assert (seen["batch"], seen["prompt_len"], seen["new_tokens"]) == (64, 128, 128)
+
+
+def test_a_failed_benchmark_is_one_line_and_the_others_still_print(monkeypatch, capsys):
+    import json
+
+    bench = _bench_script()
+
+    def broken(**kw):
+        raise UserError("rlhf_jax.benchmarks.memory on 8 simulated CPU devices was killed by "
+                        "signal 9: (no output)")
+
+    monkeypatch.setattr(memory, "run", broken)
+    monkeypatch.setattr(gae, "run", lambda **kw: {"gae.speedup": 21.0, "gae.scale": kw["scale"]})
+    assert bench.main(["memory", "gae"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [
+        "error: memory: rlhf_jax.benchmarks.memory on 8 simulated CPU devices was killed by "
+        "signal 9: (no output)"]
+    figures = json.loads(out)
+    assert figures["gae.speedup"] == 21.0 and figures["gae.scale"] == "workload"
+    assert figures["failed"] == ["memory"] and "memory.wall_seconds" not in figures
