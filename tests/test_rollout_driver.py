@@ -200,6 +200,35 @@ def test_independent_of_max_concurrent_decodes(model, params, prompts):
     np.testing.assert_allclose(a.rollout_log_probs, b.rollout_log_probs, atol=1e-5, rtol=0)
 
 
+def test_once_no_request_waits_the_slots_decode_to_the_end_in_one_call(model, params, prompts):
+    """`steps_per_call` bounds the calls while requests wait for a slot; after that one call of
+    `max_decode_length` steps decodes to the end. The tokens do not depend on the split."""
+    key, mesh = jax.random.key(42), "single"
+
+    def fresh(slots):  # not the shared engines: their compile counts are tested below
+        e = engine(model, mesh, slots)
+        return Engine(model, e.mesh, e.rules, max_concurrent_decodes=slots,
+                      max_prefill_length=16, max_decode_length=R, prefill_buckets=(8, 16),
+                      compiler_options=FAST_COMPILE)
+
+    e16 = fresh(16)
+    nobody_waits = generate_sequences(e16, on_mesh(model, params, mesh), *prompts, n=1,
+                                      sampling=GREEDY, rng=key, steps_per_call=2)
+    assert nobody_waits.stats["rollout/generate_calls"] == 1  # 6 requests, 16 slots
+    assert [k[1] for k in e16.trace_counts if k[0] == "generate"] == [R]
+    want = rollout(model, params, prompts, mesh, 16, GREEDY, 1)
+    np.testing.assert_array_equal(nobody_waits.responses, want.responses)
+    e4 = fresh(4)
+    queued = generate_sequences(e4, on_mesh(model, params, mesh), *prompts, n=3,
+                                sampling=SAMPLED, rng=key, steps_per_call=2)
+    # 2-step calls while 18 requests pass through 4 slots, then one call for the rest
+    assert sorted(k[1] for k in e4.trace_counts if k[0] == "generate") == [2, R]
+    want = rollout(model, params, prompts, mesh, 4, SAMPLED, 3)
+    np.testing.assert_array_equal(queued.responses, want.responses)
+    np.testing.assert_array_equal(queued.response_lengths, want.response_lengths)
+    assert queued.stats["rollout/decode_steps"] == want.stats["rollout/decode_steps"]
+
+
 def _list_schedule_steps(durations, slots):
     """Steps to run jobs in order on `slots` machines, each free machine taking the next job
     at once (continuous batching); and with waves of `slots` jobs (static batching)."""

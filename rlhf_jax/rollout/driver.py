@@ -167,7 +167,10 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
       rng: a PRNG key or an int seed; with the request id and position it fixes every token.
       truncation: a prompt longer than `engine.max_prefill_length` is an error, or is cut on
         the left (keep the end) or the right (keep the start).
-      steps_per_call: the most generate steps per jitted call.
+      steps_per_call: the most generate steps per jitted call while prompts wait for a slot.
+        Once none wait, the slots decode to the end in one call (up to
+        `engine.max_decode_length` steps; it stops when every slot is done): nothing is left
+        to refill, so more calls would only add host round trips.
       refill_min_free: while requests wait, a call returns as soon as this many slots have
         finished, so they are refilled at once (1: after every finish).
       max_prefill_batch: prompts per prefill call (default min(slots, 16)).
@@ -192,11 +195,13 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
 
     state = run.refill(engine.init_decode_state(rng))
     while run.busy():
-        # With requests waiting, return as soon as `refill_min_free` slots can take them.
+        # With requests waiting, return as soon as `refill_min_free` slots can take them;
+        # with none, decode to the end in one call.
+        waiting = run.next_request < run.total
         empty = sum(r < 0 for r in run.slot_request)
-        stop = empty + refill_min_free if run.next_request < run.total else None
-        state, _ = engine.generate_steps(params, state, steps_per_call, sampling,
-                                         stop_when_done=stop)
+        stop = empty + refill_min_free if waiting else None
+        steps = steps_per_call if waiting else max(steps_per_call, engine.max_decode_length)
+        state, _ = engine.generate_steps(params, state, steps, sampling, stop_when_done=stop)
         run.stats["generate_calls"] += 1
         # The one sync per call: which slots finished. `fetch` gathers the slots of every
         # host, so all processes see the same slots finish and refill them alike.
