@@ -83,15 +83,20 @@ def train_flops(model_cfg, seq_lens: np.ndarray, passes: float = 1.0) -> float:
 _MEASURED_PEAK: dict[str, float] = {}
 
 
+def datasheet_peak_flops(device_kind: str) -> float | None:
+    """`PEAK_FLOPS` of the first key found in `device_kind` (case-insensitive), else None."""
+    return next((v for k, v in PEAK_FLOPS.items() if k.lower() in device_kind.lower()), None)
+
+
 def peak_flops_per_device() -> float:
     """From the device table, or (CPU and unknown devices) measured once with a jitted matmul."""
     import jax
     import jax.numpy as jnp
 
     kind = jax.local_devices()[0].device_kind
-    for key, value in PEAK_FLOPS.items():
-        if key.lower() in kind.lower():
-            return value
+    sheet = datasheet_peak_flops(kind)
+    if sheet is not None:
+        return sheet
     if kind not in _MEASURED_PEAK:
         n = 1024
         a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.local_devices()[0])

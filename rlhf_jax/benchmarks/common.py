@@ -30,7 +30,6 @@ WORKLOAD_MODEL = dict(
     num_attention_heads=4, num_key_value_heads=2, intermediate_size=688, rope_theta=10000.0,
     tie_word_embeddings=False, max_position_embeddings=256, rms_norm_eps=1e-6,
 )
-WORKLOAD_PAD_ID = 1024  # one past the vocabulary: never sampled, never embedded
 
 # The Qwen2.5-0.5B architecture (random init): 494M parameters, 136M of them the tied
 # embedding.
@@ -62,8 +61,8 @@ class Scale:
         return ModelConfig.from_hf(self.model or default or WORKLOAD_MODEL)
 
     def pad_id(self, cfg) -> int:
-        """One past the vocabulary: never sampled (EOS disabled), never embedded."""
-        return cfg.vocab_size
+        """The pad id of `eos_free_sampling` for `cfg`."""
+        return eos_free_sampling(cfg, 1).pad_id
 
 
 SCALES = {
@@ -85,15 +84,25 @@ def get_scale(name: str | Scale) -> Scale:
 
 def datasheet_peak(dtype: str) -> float | None:
     """The datasheet's dense bfloat16 matmul FLOP/s of this process's first device
-    (`metrics.PEAK_FLOPS`), for a bfloat16 benchmark on a device that table knows; else None."""
+    (`metrics.datasheet_peak_flops`), for a bfloat16 benchmark off CPU; else None."""
     import jax
 
-    from rlhf_jax.metrics import PEAK_FLOPS
+    from rlhf_jax.metrics import datasheet_peak_flops
 
-    kind = jax.devices()[0].device_kind.lower()
-    if dtype != "bfloat16" or jax.devices()[0].platform == "cpu":
+    device = jax.devices()[0]
+    if dtype != "bfloat16" or device.platform == "cpu":
         return None
-    return next((v for k, v in PEAK_FLOPS.items() if k.lower() in kind), None)
+    return datasheet_peak_flops(device.device_kind)
+
+
+def eos_free_sampling(cfg, new_tokens: int):
+    """Plain ancestral sampling at temperature 1 with EOS disabled (WORKLOAD.md): the only EOS
+    and the pad id is one past the vocabulary, never sampled and never embedded."""
+    from rlhf_jax.rollout import SamplingParams
+
+    pad = cfg.vocab_size
+    return SamplingParams(temperature=1.0, max_response_length=new_tokens, eos_ids=(pad,),
+                          pad_id=pad)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,10 +28,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlhf_jax.benchmarks.common import Timing, get_scale, timed, workload_prompts
+from rlhf_jax.benchmarks.common import (
+    Timing,
+    eos_free_sampling,
+    get_scale,
+    timed,
+    workload_prompts,
+)
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, ModelConfig
-from rlhf_jax.rollout import Engine, SamplingParams
+from rlhf_jax.rollout import Engine
 
 SMALL_MODEL = dict(model_type="qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
@@ -68,9 +74,7 @@ def run(*, small: bool = False, scale="workload", **sizes) -> dict:
     rules = spec.generate_rules
     model = Model(cfg, dtype=scale.dtype).with_layout(mesh, rules)
     params = model.init(jax.random.key(0), mesh, rules)
-    pad = scale.pad_id(cfg)
-    sampling = SamplingParams(temperature=1.0, max_response_length=new_tokens,
-                              eos_ids=(pad,), pad_id=pad)
+    sampling = eos_free_sampling(cfg, new_tokens)
     engine = Engine(model, mesh, rules, max_concurrent_decodes=batch,
                     max_prefill_length=prompt_len, max_decode_length=new_tokens,
                     prefill_buckets=(prompt_len,), sampling=sampling,

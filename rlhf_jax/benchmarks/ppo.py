@@ -58,6 +58,7 @@ from rlhf_jax import batching, ppo
 from rlhf_jax import train_steps as ts
 from rlhf_jax.benchmarks.common import (
     cpu_ticks,
+    eos_free_sampling,
     get_scale,
     peak_rss_mb,
     workload_model_config,
@@ -67,7 +68,7 @@ from rlhf_jax.benchmarks.mfu import FAST_COMPILE, CompileCounter, matmul_peak_fl
 from rlhf_jax.errors import UserError
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model
-from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, reshard
+from rlhf_jax.rollout import Engine, generate_sequences, reshard
 
 TRL_TOKENS_PER_S = 1368.0  # WORKLOAD.md, TRL 1.12 PPO on the idle 2-core machine
 TRL_SCRIPT = pathlib.Path(__file__).parent / "peers" / "trl_ppo.py"
@@ -139,9 +140,7 @@ class PPOIteration:
         gen_rules = self.spec.generate_rules
         self.gen_shardings = self.actor_model.shardings(self.mesh, gen_rules)
         self.gen_params = reshard(self.actor.params, self.gen_shardings)
-        pad = cfg.vocab_size  # one past the vocabulary: EOS never sampled, never embedded
-        self.sampling = SamplingParams(temperature=1.0, max_response_length=new_tokens,
-                                       eos_ids=(pad,), pad_id=pad)
+        self.sampling = eos_free_sampling(cfg, new_tokens)
         self.engine = Engine(self.actor_model.with_layout(self.mesh, gen_rules), self.mesh,
                              gen_rules, max_concurrent_decodes=batch,
                              max_prefill_length=prompt_len, max_decode_length=new_tokens,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlhf_jax.benchmarks.common import get_scale, timed, workload_prompts
+from rlhf_jax.benchmarks.common import eos_free_sampling, get_scale, timed, workload_prompts
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, ModelConfig
 from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences
@@ -31,19 +31,12 @@ SMALL_MODEL = dict(model_type="qwen2", vocab_size=64, hidden_size=32, num_hidden
                    tie_word_embeddings=False)
 
 
-def workload_sampling(new_tokens: int, pad_id: int) -> SamplingParams:
-    """Plain ancestral sampling at temperature 1, EOS disabled: `pad_id` is one past the
-    vocabulary (WORKLOAD.md)."""
-    return SamplingParams(temperature=1.0, max_response_length=new_tokens,
-                          eos_ids=(pad_id,), pad_id=pad_id)
-
-
 def make_engine(model: Model, mesh, rules, *, batch: int, prompt_len: int,
                 new_tokens: int) -> Engine:
     """An engine with one slot per sequence and one prefill bucket."""
     return Engine(model, mesh, rules, max_concurrent_decodes=batch, max_prefill_length=prompt_len,
                   max_decode_length=new_tokens, prefill_buckets=(prompt_len,),
-                  sampling=workload_sampling(new_tokens, model.cfg.vocab_size))
+                  sampling=eos_free_sampling(model.cfg, new_tokens))
 
 
 def generate(engine: Engine, params, prompts: np.ndarray, rng) -> Any:
