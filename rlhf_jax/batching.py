@@ -53,6 +53,15 @@ class Plan:
         return np.concatenate(rows).reshape(self.updates, self.micro_per_update, self.micro_batch)
 
 
+def unarrange(x: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Undoes `x_arranged = x[order]` for an `order` that visits every row once (one epoch):
+    `[U, K, m, ...]` in update order -> `[N, ...]` in rollout order."""
+    flat = order.reshape(-1)
+    out = np.empty((flat.size, *x.shape[order.ndim:]), x.dtype)
+    out[flat] = x.reshape(flat.size, *x.shape[order.ndim:])
+    return out
+
+
 def chunked(x: np.ndarray, chunk: int) -> np.ndarray:
     """`[N, ...] -> [N / chunk, chunk, ...]` for micro-batched forward passes."""
     if x.shape[0] % chunk:

@@ -72,6 +72,9 @@ def advantages(token_rewards, values, response_mask, index, reward_baselines=Non
     raise ValueError(f"unknown advantage estimator {estimator!r}")
 
 
+whiten = jax.jit(core_algos.masked_whiten)  # GAE's advantages, over the whole batch
+
+
 @jax.jit
 def rollout_probs_diff(rollout_log_probs, old_log_probs, response_mask):
     """`training/rollout_probs_diff_{max,mean}`: |p_rollout - p_trainer| over response tokens."""

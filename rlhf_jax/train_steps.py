@@ -60,6 +60,15 @@ class CriticBatch(NamedTuple):
     seq_count: jax.Array
 
 
+class CriticRolloutBatch(NamedTuple):
+    """A critic update that also makes the rollout's values (`critic_update_from_rollout`)."""
+
+    seqs: Sequences
+    rewards: jax.Array  # [1, K, m, R] token-level rewards (scores and KL penalty)
+    token_count: jax.Array  # [1]
+    seq_count: jax.Array  # [1]
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     lr: float
@@ -242,15 +251,13 @@ def _actor_micro_loss(params, mb, token_count, seq_count, *, model: Model, loss:
     return total, metrics
 
 
-def _critic_micro_loss(params, mb, token_count, seq_count, *, model: Model, loss: CriticLoss):
-    seqs, old_values, returns = mb
-    vpreds = response_values(model, params, seqs)
+def _value_loss(vpreds, returns, old_values, mask, token_count, seq_count, loss: CriticLoss):
     vf_loss, vf_clipfrac = core_algos.compute_value_loss(
-        vpreds, returns, old_values, seqs.response_mask, cliprange_value=loss.cliprange_value,
+        vpreds, returns, old_values, mask, cliprange_value=loss.cliprange_value,
         loss_agg_mode=loss.loss_agg_mode, global_token_count=token_count,
         global_seq_count=seq_count,
     )
-    vpred_mean = jnp.sum(vpreds * seqs.response_mask) / jnp.maximum(token_count, 1)
+    vpred_mean = jnp.sum(vpreds * mask) / jnp.maximum(token_count, 1)
     metrics = {
         "critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac,
         "critic/vpred_mean": vpred_mean,
@@ -258,9 +265,33 @@ def _critic_micro_loss(params, mb, token_count, seq_count, *, model: Model, loss
     return vf_loss, metrics
 
 
+def _critic_micro_loss(params, mb, token_count, seq_count, *, model: Model, loss: CriticLoss):
+    seqs, old_values, returns = mb
+    vpreds = response_values(model, params, seqs)
+    return _value_loss(vpreds, returns, old_values, seqs.response_mask, token_count, seq_count,
+                       loss)
+
+
+def _critic_rollout_micro_loss(params, mb, token_count, seq_count, *, model: Model,
+                               loss: CriticLoss, gamma: float, lam: float):
+    """The critic's loss on a micro-batch whose values and GAE returns come from this very
+    forward pass: the values are its predictions (no gradient), as a separate values pass
+    with the same parameters would give them. Aux: (metrics, (values, advantages, returns))."""
+    seqs, rewards = mb
+    vpreds = response_values(model, params, seqs)
+    values = jax.lax.stop_gradient(vpreds)
+    adv, returns = core_algos.compute_gae_return(rewards, values, seqs.response_mask, gamma, lam)
+    vf_loss, metrics = _value_loss(vpreds, returns, values, seqs.response_mask, token_count,
+                                   seq_count, loss)
+    return vf_loss, (metrics, (values, adv, returns))
+
+
 def _update(state: TrainState, micro_batches, counts, *, model: Model, micro_loss, tx,
-            schedule, grad_clip: float, prefix: str):
-    """All optimizer updates of one PPO update: scan over U updates, each over K micro-batches."""
+            schedule, grad_clip: float, prefix: str, with_outputs: bool = False):
+    """All optimizer updates of one PPO update: scan over U updates, each over K micro-batches.
+
+    `with_outputs`: `micro_loss`'s aux is `(metrics, outputs)`, and the outputs of every
+    micro-batch come back stacked `[U, K, ...]` as a third result."""
 
     def one_update(state: TrainState, xs):
         mbs, token_count, seq_count = xs
@@ -271,16 +302,15 @@ def _update(state: TrainState, micro_batches, counts, *, model: Model, micro_los
 
         def accumulate(carry, mb):
             grads, metrics = carry
-            (_, m), g = grad_fn(params, mb, token_count, seq_count)
-            return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, metrics, m)), None
+            (_, aux), g = grad_fn(params, mb, token_count, seq_count)
+            m, out = aux if with_outputs else (aux, None)
+            return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, metrics, m)), out
 
         zeros_g = jax.tree.map(jnp.zeros_like, params)
         first = jax.tree.map(lambda x: x[0], mbs)
-        zeros_m = jax.tree.map(
-            jnp.zeros_like,
-            jax.eval_shape(lambda: micro_loss(params, first, token_count, seq_count)[1]),
-        )
-        (grads, metrics), _ = jax.lax.scan(accumulate, (zeros_g, zeros_m), mbs)
+        aux = jax.eval_shape(lambda: micro_loss(params, first, token_count, seq_count)[1])
+        zeros_m = jax.tree.map(jnp.zeros_like, aux[0] if with_outputs else aux)
+        (grads, metrics), outputs = jax.lax.scan(accumulate, (zeros_g, zeros_m), mbs)
         grads = model.stack_layers(grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
@@ -299,12 +329,12 @@ def _update(state: TrainState, micro_batches, counts, *, model: Model, micro_los
         metrics = dict(metrics)
         metrics[f"{prefix}/grad_norm"] = grad_norm
         metrics[f"{prefix}/lr"] = schedule(state.step) * state.lr_scale
-        return new_state, metrics
+        return new_state, (metrics, outputs)
 
-    state, metrics = jax.lax.scan(one_update, state, (micro_batches, *counts))
+    state, (metrics, outputs) = jax.lax.scan(one_update, state, (micro_batches, *counts))
     out = {k: jnp.mean(v) for k, v in metrics.items()}
     out[f"{prefix}/skipped_updates"] = state.skipped
-    return state, out
+    return (state, out, outputs) if with_outputs else (state, out)
 
 
 def actor_update(state: TrainState, batch: ActorBatch, *, model: Model, loss: ActorLoss,
@@ -333,4 +363,31 @@ def critic_update(state: TrainState, batch: CriticBatch, *, model: Model, loss: 
         state, mbs, (batch.token_count, batch.seq_count), model=model, micro_loss=micro_loss,
         tx=make_optimizer(optim, updates), schedule=step_schedule(optim, updates),
         grad_clip=optim.grad_clip, prefix="critic",
+    )
+
+
+def critic_update_from_rollout(state: TrainState, batch: CriticRolloutBatch, *, model: Model,
+                               loss: CriticLoss, optim: OptimConfig, gamma: float, lam: float):
+    """The critic's values pass, GAE and update in one call, for one optimizer update a step.
+
+    With a single update (one epoch of one mini-batch) the update's forward pass runs on the
+    parameters a separate values pass would use, so it yields the rollout's values: each
+    micro-batch takes them from its own forward pass (no gradient), computes its GAE returns
+    (every row is its own recurrence) and the clipped value loss against them. One forward
+    pass of the critic a step instead of two; the same numbers as `values_step`, GAE and
+    `critic_update`, up to float rounding.
+
+    Returns:
+      `(state, metrics, (values, advantages, returns))`, the last three `[1, K, m, R]` in the
+      batch's order, the advantages before whitening.
+    """
+    if batch.token_count.shape[0] != 1:
+        raise ValueError("critic_update_from_rollout makes exactly one optimizer update, "
+                         f"got a batch of {batch.token_count.shape[0]}")
+    micro_loss = functools.partial(_critic_rollout_micro_loss, model=model, loss=loss,
+                                   gamma=gamma, lam=lam)
+    return _update(
+        state, (batch.seqs, batch.rewards), (batch.token_count, batch.seq_count), model=model,
+        micro_loss=micro_loss, tx=make_optimizer(optim, 1), schedule=step_schedule(optim, 1),
+        grad_clip=optim.grad_clip, prefix="critic", with_outputs=True,
     )

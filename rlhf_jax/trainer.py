@@ -191,19 +191,20 @@ class Trainer(Recovery):
         if self.critic is not None:
             c = cfg.critic
             critic_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, self.critic))
-            self.critic_update = jax.jit(
-                functools.partial(
-                    ts.critic_update, model=self.critic_model,
-                    loss=ts.CriticLoss(c.cliprange_value, c.loss_agg_mode),
-                    optim=self.critic_optim,
-                ),
-                in_shardings=(critic_sh, None), out_shardings=(critic_sh, None),
-                donate_argnums=0,
-            )
+            kw = dict(model=self.critic_model, optim=self.critic_optim,
+                      loss=ts.CriticLoss(c.cliprange_value, c.loss_agg_mode))
+            alg = cfg.algorithm
+            for name, fn, outs in (
+                ("critic_update", functools.partial(ts.critic_update, **kw), (None,)),
+                ("critic_update_from_rollout", functools.partial(
+                    ts.critic_update_from_rollout, gamma=float(alg.gamma), lam=float(alg.lam),
+                    **kw), (None, None)),
+            ):
+                step = jax.jit(fn, in_shardings=(critic_sh, None),
+                               out_shardings=(critic_sh, *outs), donate_argnums=0)
+                setattr(self, name, offload.onloaded(step, self.offload["critic"], "opt_state"))
             self.values = jax.jit(functools.partial(ts.values_step, model=self.critic_model),
                                   in_shardings=(critic_sh.params, None))
-            self.critic_update = offload.onloaded(self.critic_update, self.offload["critic"],
-                                                  "opt_state")
         self.peak_flops = peak_flops_per_device()
         del lay
 
@@ -263,6 +264,13 @@ class Trainer(Recovery):
         return batching.Plan(n_rows, mini, micro, section.ppo_epochs or a.ppo_epochs,
                              section.shuffle)
 
+    def _values_in_update(self, n_rows: int, n: int) -> bool:
+        """Whether the critic's update makes the rollout's values (`critic.values_in_update`):
+        GAE, and one optimizer update a step (one epoch of one mini-batch)."""
+        cfg = self.cfg
+        return (cfg.critic.values_in_update and cfg.algorithm.adv_estimator == "gae"
+                and self._plan(cfg.critic, n_rows, n).updates == 1)
+
     def _arranged(self, plan: batching.Plan, order, ro: Rollout, extra: dict):
         seqs = ts.Sequences(ro.input_ids.astype(np.int32), ro.attention_mask.astype(np.int32),
                             ro.responses.astype(np.int32), ro.response_mask.astype(np.int32))
@@ -305,8 +313,10 @@ class Trainer(Recovery):
             if self.ref_params is not None:
                 with timer("ref"):
                     ref_logp = flat(self.log_probs(self.ref_params, seqs)).block_until_ready()
+            # One critic update a step (GAE): its forward pass gives the values.
+            fused = self.critic is not None and self._values_in_update(len(scores), n)
             values = None
-            if self.critic is not None:
+            if self.critic is not None and not fused:
                 with timer("values"):
                     values = flat(self.values(self.critic.params, seqs)).block_until_ready()
             with timer("adv"):
@@ -322,24 +332,35 @@ class Trainer(Recovery):
                     metrics["actor/reward_kl_penalty"] = float(current_kl)
                     metrics["actor/reward_kl_penalty_coeff"] = float(beta)
                 alg = cfg.algorithm
-                adv, returns = ppo.advantages(
-                    token_rewards, values if values is not None else jax.numpy.zeros_like(mask),
-                    mask, jax.numpy.asarray(ro.index, jax.numpy.int32),
-                    estimator=alg.adv_estimator, gamma=float(alg.gamma), lam=float(alg.lam),
-                    norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-                )
-                adv, returns = batching.fetch((adv, returns))
+                if not fused:
+                    adv, returns = batching.fetch(ppo.advantages(
+                        token_rewards,
+                        values if values is not None else jax.numpy.zeros_like(mask), mask,
+                        jax.numpy.asarray(ro.index, jax.numpy.int32),
+                        estimator=alg.adv_estimator, gamma=float(alg.gamma),
+                        lam=float(alg.lam), norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+                    ))
             host = batching.fetch({"old": old_logp, "ref": ref_logp, "values": values})
             if self.critic is not None:
                 with timer("update_critic"):
                     plan = self._plan(cfg.critic, len(scores), n)
                     order = plan.order(cfg.trainer.seed * 7919 + self.global_step)
-                    extra = {"values": host["values"], "returns": returns}
+                    extra = ({"rewards": batching.fetch(token_rewards)} if fused else
+                             {"values": host["values"], "returns": returns})
                     (seqs_c, ex), tok, sq = self._arranged(plan, order, ro, extra)
-                    self.critic, m = self.critic_update(
-                        self.critic, ts.CriticBatch(seqs_c, ex["values"], ex["returns"], tok, sq)
-                    )
+                    if fused:
+                        self.critic, m, outs = self.critic_update_from_rollout(
+                            self.critic, ts.CriticRolloutBatch(seqs_c, ex["rewards"], tok, sq))
+                        host["values"], adv, returns = (
+                            batching.unarrange(x, order) for x in batching.fetch(outs))
+                    else:
+                        self.critic, m = self.critic_update(
+                            self.critic, ts.CriticBatch(seqs_c, ex["values"], ex["returns"],
+                                                        tok, sq))
                     metrics.update(jax.device_get(m))
+                if fused:
+                    with timer("adv"):  # whitened over the whole batch, as GAE's are
+                        adv = batching.fetch(ppo.whiten(adv, mask))
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor"):
                     plan = self._plan(cfg.actor_rollout_ref.actor, len(scores), n)

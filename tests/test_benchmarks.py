@@ -20,11 +20,15 @@ def _finite(out: dict, prefix: str):
             assert math.isfinite(v), k
 
 
-def test_ppo_small():
-    out = ppo.run(small=True)
+@pytest.mark.parametrize("values_in_update", [True, False])
+def test_ppo_small(values_in_update):
+    out = ppo.run(small=True, values_in_update=values_in_update)
     _finite(out, "ppo.")
-    for stage in ppo.STAGES:
-        assert out[f"ppo.stage.{stage}"] >= 0
+    for stage in ppo.STAGES:  # the critic's update makes the values, or a values pass does
+        if stage == "values" and values_in_update:
+            assert "ppo.stage.values" not in out
+        else:
+            assert out[f"ppo.stage.{stage}"] >= 0
     assert out["ppo.tokens_per_s"] > 0 and out["ppo.flop_bound_ratio"] > 0
     assert out["ppo.compiles_measured"] == 0  # every step compiled during the warm-up
     assert out["ppo.trl_tokens_per_s_reference"] == ppo.TRL_TOKENS_PER_S

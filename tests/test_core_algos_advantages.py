@@ -294,6 +294,11 @@ def test_gae_hand_case():
     np.testing.assert_allclose(ret - v, raw, rtol=1e-5, atol=1e-6)
     vals = np.array([0.05, 0.1, 0.2, 0.3, 0.2])  # the masked tokens
     np.testing.assert_allclose(adv, (raw - vals.mean()) / vals.std(ddof=1), rtol=1e-4)
+    # before whitening (what the critic's update makes, micro-batch by micro-batch): row by row
+    for rows in (slice(0, 2), slice(0, 1), slice(1, 2)):
+        a_raw, ret_raw = jax.jit(ca.compute_gae_return)(r[rows], v[rows], m[rows], 0.5, 1.0)
+        np.testing.assert_allclose(a_raw, raw[rows], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ret_raw, np.asarray(ret)[rows], rtol=1e-6)
 
 
 def test_grpo_rloo_hand_case():

@@ -118,6 +118,75 @@ def test_scanned_and_unrolled_layers_update_alike(kind):
         np.testing.assert_allclose(m1[k], m8[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+def test_critic_update_from_rollout_equals_values_gae_update():
+    """One update a step: the critic's update that makes the rollout's values from its own
+    forward pass gives the values, GAE returns, parameters and metrics of a values pass, GAE
+    and the plain update (on (2,2,2), 4 micro-batches of 4 rows)."""
+    from rlhf_jax import core_algos
+    from rlhf_jax.benchmarks.mfu import FAST_COMPILE
+
+    jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    mesh_name, micro = "cpu-8", 4
+    spec = load_mesh_spec(mesh_name)
+    mesh = make_mesh(spec)
+    axes = dict(spec.train_rules)["batch"]
+    model = Model(CFG, kind="value")
+    optim = ts.OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
+    loss = ts.CriticLoss(0.2)
+    seqs, extra = _rollout(3)
+    rewards = extra["returns"]  # any token-level rewards
+    plan = batching.Plan(N, mini_batch=N, micro_batch=micro, epochs=1, shuffle=True)
+    order = plan.order(5)
+
+    # every weight moved off its init (the value head starts at zero); no step donates it
+    params = model.init(jax.random.key(0), mesh, spec.train_rules)
+    wiggle = lambda x: x + 0.1 * jnp.sin(1.7 * jnp.arange(x.size, dtype=x.dtype)).reshape(x.shape)
+    params = jit(lambda p: jax.tree.map(wiggle, p),
+                 out_shardings=jax.tree.map(lambda x: x.sharding, params))(params)
+    state = ts.init_state(params, ts.make_optimizer(optim))
+
+    def arrange(extra):
+        host = jax.tree.map(lambda x: x[order], (seqs, extra))
+        mask = host[0].response_mask
+        tok = jnp.asarray(mask.sum(axis=(1, 2, 3)), jnp.float32)
+        sq = jnp.asarray((mask.sum(-1) > 0).sum(axis=(1, 2)), jnp.float32)
+        return batching.put(host, mesh, axes, lead=2), tok, sq
+
+    # the separate way: values pass, GAE over the batch, update
+    chunks = batching.put(jax.tree.map(lambda x: batching.chunked(x, 4), seqs), mesh, axes,
+                          lead=1)
+    values = batching.unchunk(jit(functools.partial(ts.values_step, model=model))(
+        state.params, chunks))
+    adv, returns = jit(core_algos.compute_gae_return)(rewards, values, seqs.response_mask, 1.0,
+                                                      0.95)
+    (s, ex), tok, sq = arrange({"values": np.asarray(values), "returns": np.asarray(returns)})
+    want_state, want_m = jit(functools.partial(ts.critic_update, model=model, loss=loss,
+                                               optim=optim))(
+        state, ts.CriticBatch(s, ex["values"], ex["returns"], tok, sq))
+
+    # in one call
+    step = jit(functools.partial(ts.critic_update_from_rollout, model=model, loss=loss,
+                                 optim=optim, gamma=1.0, lam=0.95))
+    (s, ex), tok, sq = arrange({"rewards": rewards})
+    got_state, got_m, outs = step(state, ts.CriticRolloutBatch(s, ex["rewards"], tok, sq))
+    got_v, got_adv, got_ret = (batching.unarrange(x, order) for x in batching.fetch(outs))
+    np.testing.assert_allclose(got_v, values, atol=1e-5)
+    np.testing.assert_allclose(got_adv, adv, atol=1e-5)
+    np.testing.assert_allclose(got_ret, returns, atol=1e-5)
+    assert np.abs(np.asarray(values)).max() > 1e-2  # the comparison is not of zeros
+    chex.assert_trees_all_close(jax.device_get(got_state.params),
+                                jax.device_get(want_state.params), atol=1e-5, rtol=0)
+    assert int(got_state.step) == 1
+    for k in want_m:
+        np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert float(got_m["critic/vf_clipfrac"]) == 0.0  # on-policy: nothing to clip
+
+    two = batching.Plan(N, mini_batch=8, micro_batch=micro)
+    (s, ex), tok, sq = _arrange(two, seqs, {"rewards": rewards}, mesh, axes)
+    with pytest.raises(ValueError, match="exactly one optimizer update, got a batch of 2"):
+        step(state, ts.CriticRolloutBatch(s, ex["rewards"], tok, sq))
+
+
 def test_entropy_enters_the_gradient_only_with_a_bonus():
     """With `entropy_coeff=0` the entropy is a metric with no backward pass: the gradient is
     the policy loss's alone; with a bonus c it is that minus c x the entropy's gradient."""

@@ -63,6 +63,19 @@ def test_bypass_mode_takes_the_engines_log_probs(tmp_path):
     assert np.isfinite(last["actor/pg_loss"]) and last["timing_s/update_actor"] > 0
 
 
+def test_critic_values_from_its_update_match_a_values_pass(tmp_path):
+    """One critic update a step: the values (and GAE) from that update's forward pass give
+    the metrics of verl's separate values pass, which `critic.values_in_update=false` runs."""
+    kw = {"actor_rollout_ref.actor.ppo_mini_batch_size": 16,
+          "actor_rollout_ref.actor.ppo_epochs": 1, "trainer.total_training_steps": 2,
+          "trainer.test_freq": -1, "trainer.sft_warmup.enable": False, "mesh": "single"}
+    fused = train(tiny(tmp_path / "a", **kw))
+    separate = train(tiny(tmp_path / "b", **kw, **{"critic.values_in_update": False}))
+    assert "timing_s/values" not in fused[-1] and separate[-1]["timing_s/values"] > 0
+    compare(algorithmic(fused), algorithmic(separate), atol=1e-5)
+    assert abs(fused[-1]["critic/values/mean"]) > 1e-3  # step 2: a trained critic, values not 0
+
+
 def test_grpo_without_critic(tmp_path):
     history = train(tiny(tmp_path, "grpo_tiny_cpu.yaml"))
     last = history[-1]

@@ -3,13 +3,18 @@
 The iteration is the trainer's (`Trainer.step`), built from the same pieces on a `single`
 (1,1,1) mesh: engine rollout (EOS disabled: eos id 1024, one past the vocabulary) -> reward
 (fraction of even response ids, on the last token) -> old log-probs -> ref log-probs (frozen
-initial policy) -> values -> adv (k1 KL 0.001 in the reward, GAE gamma 1 lam 0.95) ->
-critic update -> actor update (one mini-batch of 32, micro-batch 8, AdamW, no clipping, no
-weight decay) -> update_weights (train -> generate layout). 2 warm-up + 5 measured
-iterations, a fresh batch of prompts each; every figure is a median over the measured ones.
+initial policy) -> adv (k1 KL 0.001 in the reward, GAE gamma 1 lam 0.95) -> critic update ->
+actor update (one mini-batch of 32, micro-batch 8, AdamW, no clipping, no weight decay) ->
+update_weights (train -> generate layout). 2 warm-up + 5 measured iterations, a fresh batch
+of prompts each; every figure is a median over the measured ones. With one critic update an
+iteration, the trainer's default (`critic.values_in_update`) takes the rollout's values from
+that update's forward pass (GAE's returns computed in the same call, the advantages whitened
+after it), so there is no separate `values` stage; `values_in_update=False` runs verl's
+separate values pass.
 
 - `ppo.seconds_per_iteration`, `ppo.tokens_per_s` (= 32 * 128 / median seconds).
-- `ppo.stage.<name>`: median seconds of each stage (they block, as the trainer's do).
+- `ppo.stage.<name>`: median seconds of each stage that runs (they block, as the
+  trainer's do).
 - `ppo.flop_bound_ratio`: model FLOPs of the iteration / (measured matmul peak x seconds);
   the peak (`mfu.matmul_peak_flops`, best of 5 jitted 1024 x 1024 f32 matmuls) is sampled
   after every measured iteration and the median taken. Target: >= 0.7 (~1.5x TRL).
@@ -110,18 +115,21 @@ class PPOIteration:
       steps_per_call, max_prefill_batch: forwarded to `generate_sequences` (None: its
         defaults, which the trainer uses).
       compiler_options: XLA options of every jitted step (the smoke test compiles faster).
+      values_in_update: the critic's update makes the rollout's values (the trainer's
+        `critic.values_in_update`, default); False: a separate values pass, as verl.
     """
 
     def __init__(self, *, batch: int = 32, prompt_len: int = 64, new_tokens: int = 64,
                  micro_batch: int = 8, model_cfg=None, dtype: str = "float32",
                  steps_per_call: int | None = None,
                  max_prefill_batch: int | None = None, seed: int = 0,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, values_in_update: bool = True):
         self.spec = load_mesh_spec("single")
         self.mesh = make_mesh(self.spec)
         rules = self.spec.train_rules
         cfg = model_cfg or workload_model_config()
         self.batch, self.micro = batch, micro_batch
+        self.values_in_update = values_in_update
         self.jit_kw = {"compiler_options": compiler_options} if compiler_options else {}
         self.gen_kw = {k: v for k, v in (("steps_per_call", steps_per_call),
                                           ("max_prefill_batch", max_prefill_batch))
@@ -159,11 +167,16 @@ class PPOIteration:
                               loss=ts.ActorLoss(clip_ratio=0.2), optim=self.actor_optim),
             in_shardings=(actor_sh, None), out_shardings=(actor_sh, None), donate_argnums=0,
             **self.jit_kw)
+        critic_kw = dict(model=self.critic_model, loss=ts.CriticLoss(0.2, "token-mean"),
+                         optim=self.critic_optim)
         self.critic_update = jax.jit(
-            functools.partial(ts.critic_update, model=self.critic_model,
-                              loss=ts.CriticLoss(0.2, "token-mean"), optim=self.critic_optim),
+            functools.partial(ts.critic_update, **critic_kw),
             in_shardings=(critic_sh, None), out_shardings=(critic_sh, None), donate_argnums=0,
             **self.jit_kw)
+        self.critic_update_from_rollout = jax.jit(
+            functools.partial(ts.critic_update_from_rollout, gamma=1.0, lam=0.95, **critic_kw),
+            in_shardings=(critic_sh, None), out_shardings=(critic_sh, None, None),
+            donate_argnums=0, **self.jit_kw)
         self.log_probs = jax.jit(
             functools.partial(ts.log_probs_step, model=self.actor_model, temperature=1.0),
             in_shardings=(actor_sh.params, None), **self.jit_kw)
@@ -204,26 +217,34 @@ class PPOIteration:
             old = watch("old_log_prob", lambda: batching.unchunk(
                 self.log_probs(self.actor.params, seqs)))
         ref = watch("ref", lambda: batching.unchunk(self.log_probs(self.ref_params, seqs)))
-        values = watch("values", lambda: batching.unchunk(
+        values = None if self.values_in_update else watch("values", lambda: batching.unchunk(
             self.values(self.critic.params, seqs)))
+        mask = jnp.asarray(ro.response_mask, jnp.float32)
 
-        def adv_stage():
-            mask = jnp.asarray(ro.response_mask, jnp.float32)
+        def adv_stage():  # the KL in the reward, and GAE where the values are already here
             token_scores = ppo.token_level_scores(jnp.asarray(scores), mask)
             rewards, _ = ppo.kl_in_reward(token_scores, old, ref, mask, 0.001, kind="kl")
+            if values is None:
+                return batching.fetch(rewards), None, None
             adv, returns = ppo.advantages(rewards, values, mask,
                                           jnp.arange(self.batch, dtype=jnp.int32),
                                           estimator="gae", gamma=1.0, lam=0.95)
-            return batching.fetch((adv, returns))
+            return batching.fetch(rewards), *batching.fetch((adv, returns))
 
-        adv, returns = watch("adv", adv_stage)
-        host = batching.fetch({"old": old, "ref": ref, "values": values})
+        rewards, adv, returns = watch("adv", adv_stage)
+        host = batching.fetch({"old": old, "ref": ref})
         plan = batching.Plan(self.batch, self.batch, self.micro, 1, True)
 
         def critic_stage():
             order = plan.order(self.seed * 7919 + self.step_count)
-            (s, ex), tok, sq = self._arranged(order, seqs_host, {"values": host["values"],
-                                                                 "returns": returns})
+            if values is None:
+                (s, ex), tok, sq = self._arranged(order, seqs_host, {"rewards": rewards})
+                self.critic, m, outs = self.critic_update_from_rollout(
+                    self.critic, ts.CriticRolloutBatch(s, ex["rewards"], tok, sq))
+                jax.device_get(m)
+                return [batching.unarrange(x, order) for x in batching.fetch(outs)]
+            extra = {"values": batching.fetch(values), "returns": returns}
+            (s, ex), tok, sq = self._arranged(order, seqs_host, extra)
             self.critic, m = self.critic_update(
                 self.critic, ts.CriticBatch(s, ex["values"], ex["returns"], tok, sq))
             return jax.device_get(m)
@@ -236,7 +257,9 @@ class PPOIteration:
                 self.actor, ts.ActorBatch(s, ex["old"], ex["adv"], ex["ref"], tok, sq))
             return jax.device_get(m)
 
-        watch("update_critic", critic_stage)
+        critic_out = watch("update_critic", critic_stage)
+        if values is None:  # GAE's advantages, whitened over the whole batch
+            adv = watch("adv", lambda: batching.fetch(ppo.whiten(critic_out[1], mask)))
         watch("update_actor", actor_stage)
         self.gen_params = watch("update_weights",
                                 lambda: reshard(self.actor.params, self.gen_shardings))
@@ -387,8 +410,8 @@ def run(*, small: bool = False, scale="workload", warmup: int | None = None,
         out["ppo.bypass.ratio_to_trl"] = (out["ppo.bypass.tokens_per_s"]
                                           / out["ppo.trl.tokens_per_s"])
     for r in records:  # outside every stage: batch placement, host fetches
-        r["other"] = r["step"] - sum(r[s] for s in STAGES)
-    out.update({f"ppo.stage.{s}": med(s) for s in (*STAGES, "other")})
+        r["other"] = r["step"] - sum(r.get(s, 0.0) for s in STAGES)
+    out.update({f"ppo.stage.{s}": med(s) for s in (*STAGES, "other") if s in records[0]})
     return out
 
 

@@ -185,6 +185,9 @@ class CriticConfig(Section):
     cliprange_value: float = 0.5
     loss_agg_mode: LossAggMode = "token-mean"
     optimizer_offload: bool = False
+    # GAE with one critic update a step (one epoch, one mini-batch): that update's forward
+    # pass makes the rollout's values (and returns); false: a separate values pass, as verl
+    values_in_update: bool = True
 
 
 @_section

@@ -13,6 +13,7 @@ denominators, policy / value / entropy losses).
 
 from rlhf_jax.core_algos.advantages import (
     compute_gae_advantage_return,
+    compute_gae_return,
     compute_grpo_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
@@ -55,6 +56,7 @@ __all__ = [
     "agg_loss_denominators",
     "compute_entropy_loss",
     "compute_gae_advantage_return",
+    "compute_gae_return",
     "compute_grpo_outcome_advantage",
     "compute_policy_loss",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",

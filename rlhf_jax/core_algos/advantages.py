@@ -115,14 +115,15 @@ def _is_prefix_mask(m_bt):
     return jnp.all(((m_bt == 0) | (m_bt == 1)) & (m_bt >= _next(m_bt)))
 
 
-def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam):
-    """Generalised advantage estimation (Schulman et al. 2016), masked tokens skipped.
+def compute_gae_return(token_level_rewards, values, response_mask, gamma, lam):
+    """GAE before whitening: `(advantages, returns)`, each `[batch, time]`.
 
     Reverse scan with `next_v = last = 0` after the last token:
     `delta = r_t + gamma * next_v - V_t; gae = delta + gamma * lam * last;
-    next_v = V_t * m_t + (1 - m_t) * next_v; last = gae * m_t + (1 - m_t) * last; A_t = last`.
-    `returns = A + values` (before whitening), then `advantages = masked_whiten(A, mask)`.
-    The unwhitened advantages are `returns - values`.
+    next_v = V_t * m_t + (1 - m_t) * next_v; last = gae * m_t + (1 - m_t) * last; A_t = last`,
+    and `returns = A + values`. Every row is its own recurrence, so a micro-batch of rows gets
+    the same numbers as the whole batch (the critic's update computes its returns this way,
+    `train_steps.critic_update_from_rollout`).
 
     Args:
       token_level_rewards: `[batch, time]` rewards r_t.
@@ -130,11 +131,6 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
       response_mask: `[batch, time]`, 0/1.
       gamma: discount (float or scalar array).
       lam: GAE lambda (float or scalar array).
-
-    Returns:
-      `(advantages, returns)`, each `[batch, time]`.
-
-    verl: `core_algos.compute_gae_advantage_return`.
     """
     rewards = jnp.asarray(token_level_rewards)
     values = jnp.asarray(values).astype(rewards.dtype)
@@ -162,8 +158,23 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
         adv = _discounted_reverse_cumsum(td, gamma * lam)
         return adv, adv + values
 
-    adv, returns = jax.lax.cond(_is_prefix_mask(m), prefix, scan, rewards, values, m)
-    return masked_whiten(adv, m), returns
+    return jax.lax.cond(_is_prefix_mask(m), prefix, scan, rewards, values, m)
+
+
+def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam):
+    """Generalised advantage estimation (Schulman et al. 2016), masked tokens skipped.
+
+    `compute_gae_return` (the recurrence, `returns = A + values`), then
+    `advantages = masked_whiten(A, mask)` over the whole batch. The unwhitened advantages
+    are `returns - values`.
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]`.
+
+    verl: `core_algos.compute_gae_advantage_return`.
+    """
+    adv, returns = compute_gae_return(token_level_rewards, values, response_mask, gamma, lam)
+    return masked_whiten(adv, _as_mask(response_mask, adv)), returns
 
 
 def _replicated(x):
