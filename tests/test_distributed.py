@@ -187,18 +187,25 @@ def test_host_dying_at_step_1_ends_the_job(tmp_path):
     assert list(steps_logged(tmp_path / "run")) == [1]
 
 
+# The critic makes one update a step (one epoch of one mini-batch), so its update makes the
+# rollout's values, gathered from both hosts; the actor keeps its 4 updates a step.
+CRITIC_ONE_UPDATE = {"critic.ppo_epochs": 1, "critic.ppo_mini_batch_size": 16}
+
+
 @pytest.mark.slow
 def test_two_hosts_match_one_host(tmp_path):
     """2 PPO steps of the tiny config: 2 Ray processes x 4 CPU devices on the global (2,2,2)
     mesh log the metrics of one 8-device process (algorithmic ones, within 1e-5)."""
     from rlhf_jax.trainer import train
 
-    code, out, err, _ = _launch(_hosts(tmp_path / "hosts"), tmp_path, timeout=1500)
+    critic = [f"{k}={v}" for k, v in CRITIC_ONE_UPDATE.items()]
+    code, out, err, _ = _launch(_hosts(tmp_path / "hosts", *critic), tmp_path, timeout=1500)
     assert code == 0, (out[-3000:], err[-3000:])
     assert "launch_ray: host 0 finished (2 steps)" in out
     assert "launch_ray: host 1 finished (2 steps)" in out
-    train(tiny(tmp_path / "one", mesh="cpu-8"))
+    train(tiny(tmp_path / "one", mesh="cpu-8", **CRITIC_ONE_UPDATE))
     hosts, one = _same_steps(tmp_path, [1, 2])
+    assert "timing_s/values" not in hosts[2] and hosts[2]["timing_s/update_critic"] > 0
     rows = (tmp_path / "hosts/run/metrics.jsonl").read_text().splitlines()
     assert len([r for r in rows if "event" not in json.loads(r)]) == 2  # process 0 logs alone
     assert "val-core/synthetic/addition/reward/mean@1" in hosts[2]
@@ -212,11 +219,11 @@ def test_two_hosts_match_one_host(tmp_path):
     # Resume: the 2 hosts restore their step-2 checkpoint (each process its shards) and go
     # on to step 3, logging what the one process logs when it goes on from its own.
     more = {"trainer.total_training_steps": 3, "trainer.test_freq": -1}
-    code, out, err, _ = _launch(_hosts(tmp_path / "hosts", *(f"{k}={v}" for k, v in
-                                                            more.items())), tmp_path, 1500)
+    code, out, err, _ = _launch(_hosts(tmp_path / "hosts", *critic, *(
+        f"{k}={v}" for k, v in more.items())), tmp_path, 1500)
     assert code == 0, (out[-3000:], err[-3000:])
     assert "launch_ray: host 1 finished (3 steps)" in out  # its global step
-    train(tiny(tmp_path / "one", mesh="cpu-8", **more))
+    train(tiny(tmp_path / "one", mesh="cpu-8", **CRITIC_ONE_UPDATE, **more))
     _same_steps(tmp_path, [1, 2, 3])
     events = [json.loads(r) for r in
               (tmp_path / "hosts/run/metrics.jsonl").read_text().splitlines()]
