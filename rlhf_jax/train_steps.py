@@ -1,7 +1,9 @@
 """Jit-compiled steps of the actor and the critic: log-probs, values, and PPO updates.
 
-Every step follows one contract, `step(state, batch) -> (state, metrics)`, with static settings
-bound by `functools.partial` and `jax.jit` given explicit shardings and a donated state.
+Every update follows one contract, `step(state, batch) -> (state, metrics)`, with static
+settings bound by `functools.partial` and `jax.jit` given explicit shardings and a donated
+state; `critic_update_from_rollout` also returns what its forward pass made (the rollout's
+values, advantages and returns), as a third result.
 
 An update receives its whole PPO batch already arranged on host as `[U, K, m, ...]`: U optimizer
 updates (ppo_epochs x mini-batches, shuffled), each accumulated over K micro-batches of m rows
