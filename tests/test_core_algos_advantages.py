@@ -266,6 +266,8 @@ def test_both_paths_match_numpy(monkeypatch, kind):
     if kind == "leading":
         m[:, :3] = 0
     assert bool(advantages._is_prefix_mask(jnp.asarray(m))) == (kind == "pad_end")
+    assert bool(jax.jit(advantages._is_prefix_mask)(jnp.asarray(m))) == (kind == "pad_end")
+    assert bool(advantages._is_prefix_mask(jnp.zeros((0, t))))  # no rows: nothing to break it
     r, v = rng.normal(size=(B, t)), np.where(m > 0, rng.normal(size=(B, t)), 7.0)
     for gamma, lam in ((1.0, 0.95), (0.9, 0.0), (1.0, 1.0)):
         with jax.enable_x64(True):

@@ -111,8 +111,14 @@ def _discounted_reverse_cumsum(w_bt, discount, block: int | None = None):
 
 
 def _is_prefix_mask(m_bt):
-    """True when every row is 0/1 with its ones first (`1..1 0..0`, all-zero rows included)."""
-    return jnp.all(((m_bt == 0) | (m_bt == 1)) & (m_bt >= _next(m_bt)))
+    """True when every row is 0/1 with its ones first (`1..1 0..0`, all-zero rows included).
+
+    A min over int8 rather than `jnp.all`: XLA:CPU lowers this boolean reduction to a slower
+    reduce-window tree (0.47 against 0.31 ms at [512, 2048]; 5-10 % of the whole GAE)."""
+    if m_bt.size == 0:
+        return jnp.asarray(True)
+    ok = ((m_bt == 0) | (m_bt == 1)) & (m_bt >= _next(m_bt))
+    return jnp.min(ok.astype(jnp.int8)) == 1
 
 
 def compute_gae_return(token_level_rewards, values, response_mask, gamma, lam):
