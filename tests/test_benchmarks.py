@@ -191,13 +191,13 @@ def test_an_unknown_scale_is_one_line_error():
 
 
 def test_the_0_5b_scale_is_qwen2_5_0_5b_in_bfloat16():
-    from rlhf_jax.benchmarks.common import get_scale
+    from rlhf_jax.benchmarks.common import eos_free_sampling, get_scale
 
     scale = get_scale("0.5b")
     cfg = scale.model_config()
     params = cfg.num_matmul_params - cfg.vocab_size * cfg.hidden_size  # tied: one table
     assert 490e6 < params < 500e6 and cfg.tie_word_embeddings
-    assert scale.dtype == "bfloat16" and scale.pad_id(cfg) == cfg.vocab_size
+    assert scale.dtype == "bfloat16" and eos_free_sampling(cfg, 1).pad_id == cfg.vocab_size
 
 
 def _bf16_scale():

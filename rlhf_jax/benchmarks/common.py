@@ -39,6 +39,12 @@ QWEN2_5_0_5B = dict(
     tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
 )
 
+# The one-layer model of the decode, rollout and ppo smoke tests (`run(small=True)`).
+SMALL_MODEL = dict(model_type="qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                   max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+                   tie_word_embeddings=False)
+
 
 @dataclasses.dataclass(frozen=True)
 class Scale:
@@ -59,10 +65,6 @@ class Scale:
         from rlhf_jax.models import ModelConfig
 
         return ModelConfig.from_hf(self.model or default or WORKLOAD_MODEL)
-
-    def pad_id(self, cfg) -> int:
-        """The pad id of `eos_free_sampling` for `cfg`."""
-        return eos_free_sampling(cfg, 1).pad_id
 
 
 SCALES = {

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlhf_jax.benchmarks.common import (
+    SMALL_MODEL,
     Timing,
     eos_free_sampling,
     get_scale,
@@ -38,11 +39,6 @@ from rlhf_jax.benchmarks.common import (
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, ModelConfig
 from rlhf_jax.rollout import Engine
-
-SMALL_MODEL = dict(model_type="qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                   num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-                   max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
-                   tie_word_embeddings=False)
 
 
 def tree_bytes(tree) -> int:

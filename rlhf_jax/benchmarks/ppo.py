@@ -62,6 +62,7 @@ import numpy as np
 from rlhf_jax import batching, ppo
 from rlhf_jax import train_steps as ts
 from rlhf_jax.benchmarks.common import (
+    SMALL_MODEL,
     cpu_ticks,
     eos_free_sampling,
     get_scale,
@@ -224,12 +225,12 @@ class PPOIteration:
         def adv_stage():  # the KL in the reward, and GAE where the values are already here
             token_scores = ppo.token_level_scores(jnp.asarray(scores), mask)
             rewards, _ = ppo.kl_in_reward(token_scores, old, ref, mask, 0.001, kind="kl")
-            if values is None:
+            if values is None:  # the critic's update takes the rewards
                 return batching.fetch(rewards), None, None
             adv, returns = ppo.advantages(rewards, values, mask,
                                           jnp.arange(self.batch, dtype=jnp.int32),
                                           estimator="gae", gamma=1.0, lam=0.95)
-            return batching.fetch(rewards), *batching.fetch((adv, returns))
+            return None, *batching.fetch((adv, returns))
 
         rewards, adv, returns = watch("adv", adv_stage)
         host = batching.fetch({"old": old, "ref": ref})
@@ -343,11 +344,7 @@ def run(*, small: bool = False, scale="workload", warmup: int | None = None,
         from rlhf_jax.models import ModelConfig
 
         kw = dict(batch=4, prompt_len=8, new_tokens=8, micro_batch=2,
-                  model_cfg=ModelConfig.from_hf(dict(
-                      model_type="qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-                      max_position_embeddings=32, rms_norm_eps=1e-6, rope_theta=10000.0,
-                      tie_word_embeddings=False)), compiler_options=FAST_COMPILE)
+                  model_cfg=ModelConfig.from_hf(SMALL_MODEL), compiler_options=FAST_COMPILE)
         warmup, repeats = 1, 1
     kw.update(overrides)
     it = PPOIteration(**kw)

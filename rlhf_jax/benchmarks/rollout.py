@@ -19,16 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlhf_jax.benchmarks.common import eos_free_sampling, get_scale, timed, workload_prompts
+from rlhf_jax.benchmarks.common import (
+    SMALL_MODEL,
+    eos_free_sampling,
+    get_scale,
+    timed,
+    workload_prompts,
+)
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, ModelConfig
 from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences
 from rlhf_jax.rollout.sampling import request_keys, sample_tokens
-
-SMALL_MODEL = dict(model_type="qwen2", vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                   num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-                   max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
-                   tie_word_embeddings=False)
 
 
 def make_engine(model: Model, mesh, rules, *, batch: int, prompt_len: int,
