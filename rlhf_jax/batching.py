@@ -35,6 +35,13 @@ class Plan:
                 f"and micro-batches of {self.micro_batch}"
             )
 
+    @classmethod
+    def of(cls, role, batch, epochs: int, shuffle: bool = True) -> Plan:
+        """From the validated plan of a role (`config.validate_batch_arithmetic`'s
+        `MiniBatchPlan` and its `BatchPlan`), walked for `epochs`."""
+        return cls(batch.sequences, role.mini_batch_size,
+                   role.micro_batch_size_per_device * batch.data_parallel_size, epochs, shuffle)
+
     @property
     def updates(self) -> int:
         return self.epochs * (self.n_rows // self.mini_batch)

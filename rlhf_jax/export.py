@@ -33,7 +33,7 @@ def checkpoint_template(cfg) -> dict:
     """Shapes and dtypes of what `Trainer` saves for `cfg` (actor, critic, ref)."""
     arr = cfg.actor_rollout_ref
     actor = roles.actor_model(cfg)
-    optim = lambda o, clip: roles.optim_config(o, clip, 1)
+    optim = lambda o, clip: ts.OptimConfig.from_config(o, clip, 1)
     out = {"actor": _abstract_train_state(actor, optim(arr.actor.optim, arr.actor.grad_clip))}
     if cfg.critic.enable:
         critic, _ = roles.critic_model(cfg)

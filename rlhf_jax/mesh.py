@@ -1,8 +1,10 @@
 """The named 3D device mesh `(data, fsdp, tensor)` and its two layouts.
 
-A preset (`meshes/<name>.yaml`) holds axis sizes and the logical-axis rules of the **train**
-layout (parameters over fsdp x tensor) and the **generate** layout (parameters replicated over
-fsdp, sharded over tensor; batch and KV cache over data x fsdp). Model code names logical axes
+A preset (`meshes/<name>.yaml`) holds axis sizes and names its logical-axis rules
+(`rules: default`, the file `meshes/rules/default.yaml` that every preset shares): those of
+the **train** layout (parameters over fsdp x tensor) and of the **generate** layout
+(parameters replicated over fsdp, sharded over tensor; batch and KV cache over data x fsdp).
+A preset's own `train_rules` / `generate_rules` entries replace the named ones entry by entry. Model code names logical axes
 only (`embed`, `mlp`, `heads`, ...); this module is the one place that maps them to mesh axes.
 """
 
@@ -24,6 +26,7 @@ from rlhf_jax.errors import ConfigError
 
 AXES = ("data", "fsdp", "tensor")
 MESHES_DIR = Path(__file__).resolve().parents[1] / "meshes"
+RULES_DIR = MESHES_DIR / "rules"
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -67,6 +70,17 @@ def _sizes(raw: Mapping[str, Any] | None, where: str, default: int) -> tuple[int
     return sizes  # type: ignore[return-value]
 
 
+def _named_rules(name: str | None, where: Path) -> dict:
+    """`meshes/rules/<name>.yaml` (`train_rules`, `generate_rules`); None: no shared rules."""
+    if name is None:
+        return {}
+    path = RULES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in RULES_DIR.glob("*.yaml")))
+        raise ConfigError(f"{where}: rules {name!r} not found in {RULES_DIR} (known: {known})")
+    return yaml.safe_load(path.read_text()) or {}
+
+
 def load_mesh_spec(preset: str, overrides: Mapping[str, int | None] | None = None) -> MeshSpec:
     """Reads `meshes/<preset>.yaml` (or a path to a YAML file) and applies size overrides.
 
@@ -81,9 +95,10 @@ def load_mesh_spec(preset: str, overrides: Mapping[str, int | None] | None = Non
         known = ", ".join(sorted(p.stem for p in MESHES_DIR.glob("*.yaml")))
         raise ConfigError(f"mesh preset {preset!r} not found (known: {known})")
     raw = yaml.safe_load(path.read_text()) or {}
-    unknown = set(raw) - {"sizes", "dcn_sizes", "train_rules", "generate_rules"}
+    unknown = set(raw) - {"sizes", "dcn_sizes", "rules", "train_rules", "generate_rules"}
     if unknown:
         raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r}")
+    shared = _named_rules(raw.get("rules"), path)
     sizes = list(_sizes(raw.get("sizes"), str(path), 1))
     dcn = list(_sizes(raw.get("dcn_sizes"), str(path), 1))
     for i, axis in enumerate(AXES):
@@ -95,8 +110,11 @@ def load_mesh_spec(preset: str, overrides: Mapping[str, int | None] | None = Non
     return MeshSpec(
         sizes=sizes_t,
         dcn_sizes=_sizes(dict(zip(AXES, dcn, strict=True)), f"mesh {preset} dcn", 1),
-        train_rules=_parse_rules(raw.get("train_rules"), f"{path} train_rules"),
-        generate_rules=_parse_rules(raw.get("generate_rules"), f"{path} generate_rules"),
+        train_rules=_parse_rules({**(shared.get("train_rules") or {}),
+                                  **(raw.get("train_rules") or {})}, f"{path} train_rules"),
+        generate_rules=_parse_rules({**(shared.get("generate_rules") or {}),
+                                     **(raw.get("generate_rules") or {})},
+                                    f"{path} generate_rules"),
         name=path.stem,
     )
 

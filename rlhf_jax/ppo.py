@@ -39,37 +39,46 @@ def kl_in_reward(token_scores, old_log_probs, ref_log_probs, response_mask, kl_c
 @functools.partial(
     jax.jit, static_argnames=("estimator", "gamma", "lam", "norm_adv_by_std_in_grpo")
 )
-def advantages(token_rewards, values, response_mask, index, reward_baselines=None, *,
-               estimator: str, gamma: float, lam: float, norm_adv_by_std_in_grpo: bool = True):
-    """Dispatches to the estimator of `algorithm.adv_estimator`. Returns (advantages, returns).
+def advantages(token_rewards, response_mask, *, estimator: str, values=None, index=None,
+               reward_baselines=None, gamma: float, lam: float,
+               norm_adv_by_std_in_grpo: bool = True):
+    """The estimator registered as `algorithm.adv_estimator`: (advantages, returns), [N, R].
+
+    Pass what the estimator needs (`core_algos.get_adv_estimator(name).needs`); the others
+    may be None.
 
     Args:
-      token_rewards, values, response_mask: [N, R]; index: [N] int32 group (prompt) ids.
+      token_rewards, response_mask: [N, R].
+      values: [N, R] critic values (gae).
+      index: [N] int32 group (prompt) ids (grpo, rloo, reinforce_plus_plus_baseline).
+      reward_baselines: [N] greedy-response scores, see `remax_reward_baselines` (remax).
+
+    Raises:
+      ValueError: an unknown estimator, or a need left None.
     """
-    if estimator == "gae":
-        return core_algos.compute_gae_advantage_return(
-            token_rewards, values, response_mask, gamma, lam
-        )
-    if estimator == "grpo":
-        return core_algos.compute_grpo_outcome_advantage(
-            token_rewards, response_mask, index,
-            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-        )
-    if estimator == "rloo":
-        return core_algos.compute_rloo_outcome_advantage(token_rewards, response_mask, index)
-    if estimator == "reinforce_plus_plus":
-        return core_algos.compute_reinforce_plus_plus_outcome_advantage(
-            token_rewards, response_mask, gamma
-        )
-    if estimator == "reinforce_plus_plus_baseline":
-        return core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(
-            token_rewards, response_mask, index
-        )
-    if estimator == "remax":
-        return core_algos.compute_remax_outcome_advantage(
-            token_rewards, reward_baselines, response_mask
-        )
-    raise ValueError(f"unknown advantage estimator {estimator!r}")
+    return core_algos.get_adv_estimator(estimator)(
+        token_rewards, response_mask, values=values, index=index,
+        reward_baselines=reward_baselines, gamma=gamma, lam=lam,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+    )
+
+
+def remax_reward_baselines(greedy_scores_p, index_n):
+    """ReMax's `reward_baselines`: each sample gets the score of its prompt's greedy response.
+
+    As verl's `RayPPOTrainer.fit`: one response per prompt generated with `do_sample=False`
+    by the current policy, scored by the same reward as the samples (rule or reward model;
+    the scalar score, i.e. the sum of its token-level scores, with no KL penalty), and
+    repeated to the prompt's `rollout.n` samples.
+
+    Args:
+      greedy_scores_p: [P] scores of the greedy responses, one per prompt.
+      index_n: [N] prompt id of each sample, in `[0, P)` (the GRPO group ids).
+
+    Returns:
+      [N] float32 `greedy_scores_p[index_n]`.
+    """
+    return jnp.asarray(greedy_scores_p, jnp.float32)[jnp.asarray(index_n)]
 
 
 whiten = jax.jit(core_algos.masked_whiten)  # GAE's advantages, over the whole batch

@@ -1,15 +1,16 @@
-"""Checkpoints, resume and rollback of a `Trainer` run (`trainer.resume_mode`, `trainer.rollback`).
+"""The run state and what saves, restores and rolls it back (`trainer.resume_mode`,
+`trainer.rollback`).
 
-`Recovery` is the `Trainer`'s base: its methods save and restore what a run's future
-depends on: the actor, critic and reference states (arrays, through orbax), plus the step,
-data-loader position, KL coefficient, rollback watch and recent scores (metadata). They use
-the trainer's `cfg`, `checkpointer`, `train_loader`, `kl_state`, `watch`, `recent_scores`,
-`rollbacks`, `global_step`, `log` and `sync_weights`.
+`RunState` is everything a run's future depends on, in one value: the actor, critic and
+reference (arrays), the KL controller, the step, the data loader's position, the rollback
+watch, the recent scores and the rollback count. `Recovery` saves it as one orbax checkpoint
+(arrays) plus a JSON dict (the rest), restores it, and rolls it back; it holds no trainer.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -20,48 +21,65 @@ from rlhf_jax.core_algos import KLControllerState
 from rlhf_jax.rollback import RollbackLimit
 
 
-class Recovery:
-    """Checkpoint save / restore / roll back, mixed into `Trainer`."""
+class RunState(NamedTuple):
+    """One run's state between two steps."""
 
-    def _ckpt_state(self) -> dict:
-        """Every array a run's future depends on (the rest goes in `_ckpt_meta`)."""
-        state = {"actor": self.actor}
+    actor: Any  # train_steps.TrainState
+    critic: Any | None  # train_steps.TrainState, None without a critic
+    ref: Any | None  # reference parameters, None when no KL needs them
+    kl: KLControllerState  # the KL-in-reward controller's coefficient
+    step: int = 0  # training steps done
+    loader: Any = None  # the train loader's position (`PromptLoader.get_state()`)
+    epoch: int = 0  # the loader's epoch at that position
+    watch: Any = None  # `RollbackWatch.state()`
+    recent_scores: tuple[float, ...] = ()  # critic/score/mean of the last 5 steps
+    rollbacks: int = 0
+
+    def arrays(self) -> dict:
+        """The arrays of a checkpoint (orbax)."""
+        out = {"actor": self.actor}
         if self.critic is not None:
-            state["critic"] = self.critic
-        if self.ref_params is not None:
-            state["ref"] = self.ref_params
-        return state
+            out["critic"] = self.critic
+        if self.ref is not None:
+            out["ref"] = self.ref
+        return out
 
-    def _ckpt_meta(self) -> dict:
+    def meta(self, cfg) -> dict:
+        """The JSON part of a checkpoint."""
         return {
-            "good": True, "step": self.global_step, "epoch": self.train_loader.epoch,
-            "loader": self.train_loader.get_state(),
-            "kl_coef": float(self.kl_state.kl_coef), "watch": self.watch.state(),
-            "recent_scores": self.recent_scores, "config": to_dict(self.cfg),
+            "good": True, "step": self.step, "epoch": self.epoch, "loader": self.loader,
+            "kl_coef": float(self.kl.kl_coef), "watch": self.watch,
+            "recent_scores": list(self.recent_scores), "config": to_dict(cfg),
         }
 
-    def save(self) -> None:
+    def loaded(self, step: int, arrays: dict, meta: dict) -> RunState:
+        """This state with a checkpoint's contents (the rollback count is kept)."""
+        return self._replace(
+            actor=arrays["actor"], critic=arrays.get("critic", self.critic),
+            ref=arrays.get("ref", self.ref), step=step, loader=meta["loader"],
+            epoch=int(meta.get("epoch", 0)),
+            kl=KLControllerState(jax.numpy.asarray(meta["kl_coef"], jax.numpy.float32)),
+            watch=meta["watch"], recent_scores=tuple(meta["recent_scores"]))
+
+
+class Recovery:
+    """Saves, restores and rolls back a `RunState` in `checkpointer`'s directory."""
+
+    def __init__(self, cfg, checkpointer: Checkpointer):
+        self.cfg = cfg
+        self.checkpointer = checkpointer
+
+    def save(self, state: RunState) -> None:
         """Starts an asynchronous checkpoint of this step (`checkpoints/<step>`)."""
-        self.checkpointer.save(self.global_step, self._ckpt_state(), self._ckpt_meta(),
-                               force=True)
+        self.checkpointer.save(state.step, state.arrays(), state.meta(self.cfg), force=True)
 
-    def _load(self, step: int, state: dict, meta: dict) -> None:
-        self.actor = state["actor"]
-        self.critic = state.get("critic", self.critic)
-        self.ref_params = state.get("ref", self.ref_params)
-        self.global_step = step
-        self.train_loader.set_state(meta["loader"])
-        self.kl_state = KLControllerState(jax.numpy.asarray(meta["kl_coef"], jax.numpy.float32))
-        self.watch.load(meta["watch"])
-        self.recent_scores = list(meta["recent_scores"])
-        self.sync_weights()
-
-    def restore(self) -> bool:
-        """`trainer.resume_mode`: continue from a checkpoint; False when starting afresh."""
+    def restore(self, state: RunState) -> tuple[RunState, str] | None:
+        """`trainer.resume_mode`: `state` (a template of the right shapes and shardings)
+        filled from a checkpoint, and where it came from; None when starting afresh."""
         t = self.cfg.trainer
         if t.resume_mode == "disable":
-            return False
-        target = self._ckpt_state()
+            return None
+        target = state.arrays()
         if t.resume_mode == "resume_path":
             path = Path(t.resume_from_path)
             if not path.name.isdigit():
@@ -73,34 +91,29 @@ class Recovery:
         else:
             got = self.checkpointer.restore_latest_good(target_state=target)
             if got is None:
-                return False
+                return None
             origin = str(self.checkpointer.directory / str(got.step))
-        self._load(got.step, got.state, got.meta)
-        print(f"resumed from {origin} at step {got.step} (epoch {self.train_loader.epoch})",
-              flush=True)
-        self.log({"event": "training/resumed", "from_step": got.step, "path": origin})
-        return True
+        return state.loaded(got.step, got.state, got.meta), origin
 
-    def roll_back(self, cause: str) -> None:
-        """Restores the latest good checkpoint and scales both learning rates by lr_factor."""
+    def roll_back(self, state: RunState, cause: str) -> tuple[RunState, dict]:
+        """The latest good checkpoint with both learning rates scaled by `lr_factor`, and
+        the `training/rollbacks` event; `RollbackLimit` past `max_rollbacks`."""
         rb = self.cfg.trainer.rollback
-        self.rollbacks += 1
-        failed = self.global_step
-        if self.rollbacks > rb.max_rollbacks:
+        rollbacks, failed = state.rollbacks + 1, state.step
+        if rollbacks > rb.max_rollbacks:
             raise RollbackLimit(f"step {failed}: {cause}; stopping after "
                                 f"trainer.rollback.max_rollbacks={rb.max_rollbacks} rollbacks")
-        lr_scale = np.float32(float(self.actor.lr_scale) * rb.lr_factor)
-        got = self.checkpointer.restore_latest_good(target_state=self._ckpt_state())
+        lr_scale = np.float32(float(state.actor.lr_scale) * rb.lr_factor)
+        got = self.checkpointer.restore_latest_good(target_state=state.arrays())
         if got is None:
             raise RollbackLimit(f"step {failed}: {cause}; no checkpoint to roll back to")
-        self._load(got.step, got.state, got.meta)
+        state = state.loaded(got.step, got.state, got.meta)._replace(rollbacks=rollbacks)
         # From the host, so each state gets a buffer of its own (both are donated).
         scale = lambda s: s._replace(lr_scale=jax.device_put(lr_scale, s.lr_scale.sharding))
-        self.actor = scale(self.actor)
-        if self.critic is not None:
-            self.critic = scale(self.critic)
-        print(f"rollback {self.rollbacks}/{rb.max_rollbacks} at step {failed}: {cause}; "
+        state = state._replace(actor=scale(state.actor), critic=None if state.critic is None
+                               else scale(state.critic))
+        print(f"rollback {rollbacks}/{rb.max_rollbacks} at step {failed}: {cause}; "
               f"restored step {got.step}, learning rates x{float(lr_scale):.4g}", flush=True)
-        self.log({"event": "training/rollbacks", "count": self.rollbacks, "cause": cause,
-                  "failed_step": failed, "restored_step": got.step,
-                  "lr_scale": float(lr_scale)})
+        event = {"event": "training/rollbacks", "count": rollbacks, "cause": cause,
+                 "failed_step": failed, "restored_step": got.step, "lr_scale": float(lr_scale)}
+        return state, event

@@ -42,19 +42,6 @@ def build_mesh(cfg) -> Layouts:
     return Layouts(make_mesh(spec), spec)
 
 
-def optim_config(optim, grad_clip: float, total_steps: int) -> ts.OptimConfig:
-    """verl's optim keys -> `train_steps.OptimConfig` (warm-up steps from the ratio if -1)."""
-    warmup = optim.lr_warmup_steps
-    if warmup < 0:
-        warmup = int(optim.lr_warmup_steps_ratio * total_steps)
-    total = optim.total_training_steps if optim.total_training_steps > 0 else total_steps
-    return ts.OptimConfig(
-        lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas), eps=optim.eps,
-        warmup_steps=warmup, warmup_style=optim.warmup_style, min_lr_ratio=optim.min_lr_ratio,
-        total_steps=max(total, 1), grad_clip=grad_clip,
-    )
-
-
 def load_or_init(model: Model, path: str | Path | None, layouts: Layouts, rng) -> Any:
     """Parameters in the train layout from an HF directory with weights, else random init."""
     shardings = model.shardings(layouts.mesh, layouts.spec.train_rules)

@@ -70,16 +70,19 @@ def _sft_step(state: ts.TrainState, seqs: ts.Sequences, smooth_over, *, model, t
     return state._replace(params=params, opt_state=opt_state, step=state.step + 1), loss
 
 
-def warm_start(trainer) -> dict:
-    """Trains `trainer.actor.params` in place; returns `sft/*` metrics of the last check."""
+def warm_start(trainer, run_state):
+    """The run state with the actor warm-started (a fresh optimizer after it), the reference
+    set to it and a critic built on the actor's backbone starting from it. Uses the
+    trainer's data, tokenizer and engine (it samples to check the score); changes nothing
+    of the trainer but the engine's weights."""
     cfg = trainer.cfg.trainer.sft_warmup
     if not cfg.enable or cfg.max_steps <= 0:
-        return {}
+        return run_state
     lay = trainer.layouts
     dataset = trainer.train_loader.dataset
     r = trainer.cfg.data.max_response_length
     tx = optax.adam(cfg.lr)
-    state = ts.init_state(trainer.actor.params, tx)
+    state = ts.init_state(run_state.actor.params, tx)
     sh = jax.tree.map(lambda x: x.sharding, state)
     step = jax.jit(functools.partial(_sft_step, model=trainer.actor_model, tx=tx,
                                      label_smoothing=float(cfg.label_smoothing)),
@@ -100,27 +103,29 @@ def warm_start(trainer) -> dict:
     for i in range(1, cfg.max_steps + 1):
         batch = dataset.collate([dataset[j] for j in rng.choice(len(dataset), bs, replace=False)])
         ans, ans_mask = answer_tokens(trainer.tokenizer, batch.ground_truth, r)
-        seqs = ts.Sequences(
+        seqs = ts.Sequences.padded(
             np.concatenate([batch.input_ids, ans], 1),
             np.concatenate([batch.attention_mask, ans_mask], 1), ans, ans_mask,
         )
         state, loss = step(state, batching.put(seqs, lay.mesh, lay.batch_axes, lead=0),
                            smooth_over)
         if i % cfg.eval_every == 0 or i == cfg.max_steps:
-            trainer.actor = trainer.actor._replace(params=state.params)
-            trainer.sync_weights()
-            ro = trainer.generate(eval_batch, 1, trainer.sampling(), jax.random.key(i))
-            score = float(np.mean(trainer.score(eval_batch, ro, 1)))
+            trainer.sync_weights(state.params)
+            exp = trainer.generate(eval_batch, 1, trainer.sampling(), jax.random.key(i))
+            score = float(np.mean(trainer.score(eval_batch, exp, 1)))
             print(f"sft warm start {i}/{cfg.max_steps} | loss={float(loss):.4g} "
                   f"| sampled score={score:.3f}", flush=True)
             if score >= cfg.target_score:
                 break
-    trainer.actor = ts.init_state(state.params, ts.make_optimizer(trainer.actor_optim))
-    trainer.sync_weights()
-    if trainer.ref_params is not None:  # the reference is the warm-started policy
-        trainer.ref_params = jax.tree.map(jnp.copy, state.params)
-    if trainer.critic is not None and trainer.cfg.critic.model.path is None:
+    actor = ts.init_state(state.params, ts.make_optimizer(trainer.actor_optim))
+    trainer.sync_weights(actor.params)
+    run_state = run_state._replace(actor=actor)
+    if run_state.ref is not None:  # the reference is the warm-started policy
+        run_state = run_state._replace(ref=jax.tree.map(jnp.copy, state.params))
+    if run_state.critic is not None and trainer.cfg.critic.model.path is None:
         # a critic initialised from the actor's backbone starts from the warm-started one
-        params = {**trainer.critic.params, "model": jax.tree.map(jnp.copy, state.params["model"])}
-        trainer.critic = ts.init_state(params, ts.make_optimizer(trainer.critic_optim))
-    return {"sft/steps": float(i), "sft/loss": float(loss), "sft/score": score}
+        params = {**run_state.critic.params,
+                  "model": jax.tree.map(jnp.copy, state.params["model"])}
+        run_state = run_state._replace(
+            critic=ts.init_state(params, ts.make_optimizer(trainer.critic_optim)))
+    return run_state

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from rlhf_jax import core_algos
@@ -37,12 +38,47 @@ class TrainState(NamedTuple):
 
 
 class Sequences(NamedTuple):
-    """A batch of prompt + response sequences, `[..., B, T]` with T = P + R."""
+    """Token rows that carry their own layout, `[..., B, T]`; what every forward pass reads.
 
-    input_ids: jax.Array  # [..., B, T] int32, prompt left-padded, response right-padded
-    attention_mask: jax.Array  # [..., B, T] int32
-    responses: jax.Array  # [..., B, R] int32
-    response_mask: jax.Array  # [..., B, R] int32, 1 up to and including EOS
+    `positions` are the RoPE positions and `segment_ids` say which tokens attend to which: a
+    query sees the earlier keys of its own segment (0 is padding, never seen). The last W
+    positions of a row hold its `targets` window: `targets[..., w]` is the token at
+    position T - W + w, predicted from the one before it, and `loss_mask` marks the targets
+    that count (the response tokens). A padded rollout row (`padded`) is one segment, its
+    window the response; a packed row holds several segments, its window the whole row
+    after the first token. Both are batches for the same functions.
+    """
+
+    input_ids: jax.Array  # [..., B, T] int32
+    positions: jax.Array  # [..., B, T] int32
+    segment_ids: jax.Array  # [..., B, T] int32, 0 on padding
+    targets: jax.Array  # [..., B, W] int32, the tokens of the last W positions
+    loss_mask: jax.Array  # [..., B, W] int32, 1 on the targets that count
+
+    @classmethod
+    def padded(cls, input_ids, attention_mask, responses, response_mask) -> Sequences:
+        """Rollout rows `prompt (left-padded) + response (right-padded)`: one segment each,
+        positions counted from the first real token, the response as the targets window.
+        numpy in, numpy out (jax arrays: jax)."""
+        xp = jnp if isinstance(attention_mask, jax.Array) else np
+        mask = attention_mask.astype(xp.int32)
+        positions = xp.maximum(xp.cumsum(mask, axis=-1) - 1, 0).astype(xp.int32)
+        return cls(input_ids.astype(xp.int32), positions, mask, responses.astype(xp.int32),
+                   response_mask.astype(xp.int32))
+
+    @property
+    def responses(self):
+        return self.targets
+
+    @property
+    def response_mask(self):
+        return self.loss_mask
+
+    @property
+    def head_slice(self) -> slice:
+        """The positions whose outputs predict the targets (static: from the shapes)."""
+        w = self.targets.shape[-1]
+        return slice(-w - 1, -1)
 
 
 class ActorBatch(NamedTuple):
@@ -83,19 +119,48 @@ class OptimConfig:
     total_steps: int = 1
     grad_clip: float = 1.0
 
+    @classmethod
+    def from_config(cls, optim, grad_clip: float, total_steps: int) -> OptimConfig:
+        """verl's `*.optim` keys (and the role's `grad_clip`) as the optimizer runs them:
+        warm-up steps from `lr_warmup_steps_ratio` when `lr_warmup_steps` is -1, the
+        schedule's length from the run's when `total_training_steps` is -1."""
+        warmup = optim.lr_warmup_steps
+        if warmup < 0:
+            warmup = int(optim.lr_warmup_steps_ratio * total_steps)
+        total = optim.total_training_steps if optim.total_training_steps > 0 else total_steps
+        return cls(
+            lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
+            eps=optim.eps, warmup_steps=warmup, warmup_style=optim.warmup_style,
+            min_lr_ratio=optim.min_lr_ratio, total_steps=max(total, 1), grad_clip=grad_clip,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class ActorLoss:
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float = 3.0
+    """The actor's loss: a registered policy-loss mode (`core_algos.get_policy_loss`) with
+    its settings, plus the entropy bonus and the KL loss."""
+
+    loss_mode: str = "vanilla"  # actor.policy_loss.loss_mode
+    policy: core_algos.PolicyLossConfig = core_algos.PolicyLossConfig()
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     temperature: float = 1.0
+
+    @classmethod
+    def from_config(cls, actor, temperature: float) -> ActorLoss:
+        """From `actor_rollout_ref.actor` and the rollout temperature."""
+        return cls(
+            loss_mode=actor.policy_loss.loss_mode,
+            policy=core_algos.PolicyLossConfig(
+                clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low,
+                clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c),
+            loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
+            use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
+            kl_loss_type=actor.kl_loss_type, temperature=temperature,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +210,37 @@ def make_optimizer(cfg: OptimConfig, updates_per_step: int = 1) -> optax.Gradien
     )
 
 
-def init_state(params, tx: optax.GradientTransformation) -> TrainState:
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """Which parameters an update trains: `where(path) -> bool` over the paths of the
+    parameter tree (`jax.tree_util.keystr` strings, e.g. "['model']['embed_tokens']..."),
+    None for all of them. The rest is frozen: no gradient, no optimizer state, unchanged.
+    (LoRA: the adapters trainable on a frozen base.)"""
+
+    where: Any = None  # Callable[[str], bool] | None
+
+    def split(self, params):
+        """`(trainable, frozen)`: two trees of `params`' structure, each with None where the
+        other holds the leaf. Everything trainable: `(params, None)`."""
+        if self.where is None:
+            return params, None
+        pick = lambda keep: jax.tree_util.tree_map_with_path(
+            lambda path, x: x if self.where(jax.tree_util.keystr(path)) == keep else None,
+            params)
+        return pick(True), pick(False)
+
+    def merge(self, trainable, frozen):
+        if frozen is None:
+            return trainable
+        return jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen,
+                            is_leaf=lambda x: x is None)
+
+
+ALL_TRAINABLE = Trainable()
+
+
+def init_state(params, tx: optax.GradientTransformation,
+               trainable: Trainable = ALL_TRAINABLE) -> TrainState:
     """A fresh state; the optimizer moments inherit the parameters' shardings.
 
     The moments are created with explicit `out_shardings`: `jax.jit(tx.init)` alone would
@@ -154,15 +249,16 @@ def init_state(params, tx: optax.GradientTransformation) -> TrainState:
     """
     mesh_of = [x.sharding.mesh for x in jax.tree.leaves(params)
                if isinstance(x.sharding, jax.sharding.NamedSharding)]
+    train = trainable.split(params)[0]  # the optimizer state exists for this part only
     if not mesh_of:
-        opt_state = jax.jit(tx.init)(params)
+        opt_state = jax.jit(tx.init)(train)
     else:
         replicated = jax.sharding.NamedSharding(mesh_of[0], jax.sharding.PartitionSpec())
         shardings = optax.tree_map_params(
-            tx, lambda _, sh: sh, jax.eval_shape(tx.init, params),
-            jax.tree.map(lambda x: x.sharding, params),
+            tx, lambda _, sh: sh, jax.eval_shape(tx.init, train),
+            jax.tree.map(lambda x: x.sharding, train),
             transform_non_params=lambda _: replicated)
-        opt_state = jax.jit(tx.init, out_shardings=shardings)(params)
+        opt_state = jax.jit(tx.init, out_shardings=shardings)(train)
     state = TrainState(
         params, opt_state, jnp.zeros((), jnp.int32), jnp.ones((), jnp.float32),
         jnp.zeros((), jnp.int32),
@@ -182,17 +278,17 @@ def init_state(params, tx: optax.GradientTransformation) -> TrainState:
 
 
 def response_logits(model: Model, params, seqs: Sequences, temperature: float = 1.0):
-    """Logits that predict each response token: [B, R, V] (divided by the temperature)."""
-    r = seqs.responses.shape[-1]
-    logits_brv = model.forward(params, seqs.input_ids, seqs.attention_mask, slice(-r - 1, -1))
-    return logits_brv / temperature
+    """Logits that predict each target token: [B, W, V] (divided by the temperature)."""
+    logits_bwv = model.forward(params, seqs.input_ids, head_slice=seqs.head_slice,
+                               positions=seqs.positions, segment_ids=seqs.segment_ids)
+    return logits_bwv / temperature
 
 
 def response_values(model: Model, params, seqs: Sequences):
-    """Values of the state before each response token, zero outside the mask: [B, R]."""
-    r = seqs.responses.shape[-1]
-    values_br = model.forward(params, seqs.input_ids, seqs.attention_mask, slice(-r - 1, -1))
-    return values_br * seqs.response_mask
+    """Values of the state before each target token, zero outside the loss mask: [B, W]."""
+    values_bw = model.forward(params, seqs.input_ids, head_slice=seqs.head_slice,
+                              positions=seqs.positions, segment_ids=seqs.segment_ids)
+    return values_bw * seqs.loss_mask
 
 
 def log_probs_step(params, seqs: Sequences, *, model: Model, temperature: float,
@@ -232,10 +328,9 @@ def _actor_micro_loss(params, mb, token_count, seq_count, *, model: Model, loss:
     logits = response_logits(model, params, seqs, loss.temperature)
     logp = core_algos.logprobs_from_logits(logits, seqs.responses)
     denoms = dict(global_token_count=token_count, global_seq_count=seq_count)
-    pg_loss, pg_metrics = core_algos.compute_policy_loss(
-        old_logp, logp, adv, mask, clip_ratio=loss.clip_ratio,
-        clip_ratio_low=loss.clip_ratio_low, clip_ratio_high=loss.clip_ratio_high,
-        clip_ratio_c=loss.clip_ratio_c, loss_agg_mode=loss.loss_agg_mode, **denoms,
+    pg_loss, pg_metrics = core_algos.get_policy_loss(loss.loss_mode)(
+        old_logp, logp, adv, mask, config=loss.policy, loss_agg_mode=loss.loss_agg_mode,
+        **denoms,
     )
     # With no entropy bonus the entropy is a metric only: no backward pass through it.
     ent_logits = logits if loss.entropy_coeff else jax.lax.stop_gradient(logits)
@@ -289,18 +384,23 @@ def _critic_rollout_micro_loss(params, mb, token_count, seq_count, *, model: Mod
 
 
 def _update(state: TrainState, micro_batches, counts, *, model: Model, micro_loss, tx,
-            schedule, grad_clip: float, prefix: str, with_outputs: bool = False):
+            schedule, grad_clip: float, prefix: str, with_outputs: bool = False,
+            trainable: Trainable = ALL_TRAINABLE):
     """All optimizer updates of one PPO update: scan over U updates, each over K micro-batches.
 
+    Only `trainable`'s part of the parameters is differentiated and updated.
     `with_outputs`: `micro_loss`'s aux is `(metrics, outputs)`, and the outputs of every
     micro-batch come back stacked `[U, K, ...]` as a third result."""
 
     def one_update(state: TrainState, xs):
         mbs, token_count, seq_count = xs
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
         # Split outside the gradient: the micro-batches' gradients accumulate per layer and
         # are stacked once, instead of each scattering into zeros of the stacked shape.
-        params = model.split_layers(state.params)
+        train, frozen_stacked = trainable.split(state.params)
+        frozen = None if frozen_stacked is None else model.split_layers(frozen_stacked)
+        loss_of_trainable = lambda p, *a: micro_loss(trainable.merge(p, frozen), *a)
+        grad_fn = jax.value_and_grad(loss_of_trainable, has_aux=True)
+        params = model.split_layers(train)
 
         def accumulate(carry, mb):
             grads, metrics = carry
@@ -310,7 +410,8 @@ def _update(state: TrainState, micro_batches, counts, *, model: Model, micro_los
 
         zeros_g = jax.tree.map(jnp.zeros_like, params)
         first = jax.tree.map(lambda x: x[0], mbs)
-        aux = jax.eval_shape(lambda: micro_loss(params, first, token_count, seq_count)[1])
+        aux = jax.eval_shape(lambda: loss_of_trainable(params, first, token_count,
+                                                        seq_count)[1])
         zeros_m = jax.tree.map(jnp.zeros_like, aux[0] if with_outputs else aux)
         (grads, metrics), outputs = jax.lax.scan(accumulate, (zeros_g, zeros_m), mbs)
         grads = model.stack_layers(grads)
@@ -318,10 +419,9 @@ def _update(state: TrainState, micro_batches, counts, *, model: Model, micro_los
         finite = jnp.isfinite(grad_norm)
         scale = jnp.minimum(1.0, grad_clip / (grad_norm + 1e-6)) if grad_clip > 0 else 1.0
         grads = jax.tree.map(lambda g: jnp.where(finite, g * scale, 0.0), grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(
-            state.params, jax.tree.map(lambda u: u * state.lr_scale, updates)
-        )
+        updates, opt_state = tx.update(grads, state.opt_state, train)
+        params = trainable.merge(optax.apply_updates(
+            train, jax.tree.map(lambda u: u * state.lr_scale, updates)), frozen_stacked)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_state = TrainState(
             keep(params, state.params), keep(opt_state, state.opt_state),
@@ -340,7 +440,7 @@ def _update(state: TrainState, micro_batches, counts, *, model: Model, micro_los
 
 
 def actor_update(state: TrainState, batch: ActorBatch, *, model: Model, loss: ActorLoss,
-                 optim: OptimConfig):
+                 optim: OptimConfig, trainable: Trainable = ALL_TRAINABLE):
     """PPO actor update: clip + dual clip + entropy + optional KL loss -> (state, metrics)."""
     micro_loss = functools.partial(_actor_micro_loss, model=model, loss=loss)
     mbs = (batch.seqs, batch.old_log_probs, batch.advantages, batch.ref_log_probs)
@@ -348,7 +448,7 @@ def actor_update(state: TrainState, batch: ActorBatch, *, model: Model, loss: Ac
     state, metrics = _update(
         state, mbs, (batch.token_count, batch.seq_count), model=model, micro_loss=micro_loss,
         tx=make_optimizer(optim, updates), schedule=step_schedule(optim, updates),
-        grad_clip=optim.grad_clip, prefix="actor",
+        grad_clip=optim.grad_clip, prefix="actor", trainable=trainable,
     )
     if loss.use_kl_loss:
         metrics["actor/kl_coef"] = jnp.asarray(loss.kl_loss_coef, jnp.float32)
@@ -356,7 +456,7 @@ def actor_update(state: TrainState, batch: ActorBatch, *, model: Model, loss: Ac
 
 
 def critic_update(state: TrainState, batch: CriticBatch, *, model: Model, loss: CriticLoss,
-                  optim: OptimConfig):
+                  optim: OptimConfig, trainable: Trainable = ALL_TRAINABLE):
     """Clipped value-loss update of the critic. Returns (state, metrics)."""
     micro_loss = functools.partial(_critic_micro_loss, model=model, loss=loss)
     mbs = (batch.seqs, batch.values, batch.returns)
@@ -364,12 +464,13 @@ def critic_update(state: TrainState, batch: CriticBatch, *, model: Model, loss: 
     return _update(
         state, mbs, (batch.token_count, batch.seq_count), model=model, micro_loss=micro_loss,
         tx=make_optimizer(optim, updates), schedule=step_schedule(optim, updates),
-        grad_clip=optim.grad_clip, prefix="critic",
+        grad_clip=optim.grad_clip, prefix="critic", trainable=trainable,
     )
 
 
 def critic_update_from_rollout(state: TrainState, batch: CriticRolloutBatch, *, model: Model,
-                               loss: CriticLoss, optim: OptimConfig, gamma: float, lam: float):
+                               loss: CriticLoss, optim: OptimConfig, gamma: float, lam: float,
+                               trainable: Trainable = ALL_TRAINABLE):
     """The critic's values pass, GAE and update in one call, for one optimizer update a step.
 
     With a single update (one epoch of one mini-batch) the update's forward pass runs on the
@@ -391,5 +492,5 @@ def critic_update_from_rollout(state: TrainState, batch: CriticRolloutBatch, *, 
     return _update(
         state, (batch.seqs, batch.rewards), (batch.token_count, batch.seq_count), model=model,
         micro_loss=micro_loss, tx=make_optimizer(optim, 1), schedule=step_schedule(optim, 1),
-        grad_clip=optim.grad_clip, prefix="critic", with_outputs=True,
+        grad_clip=optim.grad_clip, prefix="critic", with_outputs=True, trainable=trainable,
     )

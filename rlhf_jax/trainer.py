@@ -1,7 +1,16 @@
-"""The PPO loop: gen -> reward -> old_log_prob -> ref -> values -> adv -> update_critic ->
-update_actor -> update_weights -> testing, with verl's metric names.
+"""The PPO loop with verl's metric names, as one step contract:
 
-`train(cfg)` is the whole run; `Trainer.step()` one iteration, readable top to bottom.
+    exp = trainer.make_experience(batch, state)   # gen -> reward -> old_log_prob -> ref ->
+                                                  # values -> adv: fills an `Experience`
+    state, metrics = trainer.learn(state, exp)    # update_critic -> update_actor ->
+                                                  # update_weights
+
+`make_experience` reads the run state and writes nothing but the `Experience` it returns,
+so an asynchronous trainer can make step t + 1's while `learn` runs step t's. Which stage
+fills which field is chosen once, from the config (`experience_stages`): bypass mode fills
+the old log-probs from the rollout, the fused critic (`critic.values_in_update`) leaves the
+values and advantages to its update. `run()` is the loop: one `RunState`, the step, and the
+hooks (rollback, validation, trackers, early stop, checkpoint, profiler) after it.
 """
 
 from __future__ import annotations
@@ -9,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -18,11 +29,12 @@ from rlhf_jax import batching, distributed, offload, ppo, roles, sft, tasks
 from rlhf_jax import train_steps as ts
 from rlhf_jax.checkpoint import Checkpointer
 from rlhf_jax.config import to_dict, to_yaml, validate_batch_arithmetic
-from rlhf_jax.core_algos import get_kl_controller
+from rlhf_jax.core_algos import get_adv_estimator, get_kl_controller
 from rlhf_jax.data import PromptDataset, PromptLoader
 from rlhf_jax.errors import ConfigError
+from rlhf_jax.hooks import HookList, StepInfo
 from rlhf_jax.metrics import Timer, data_metrics, peak_flops_per_device, train_flops
-from rlhf_jax.recovery import Recovery
+from rlhf_jax.recovery import Recovery, RunState
 from rlhf_jax.rewards import load_custom_reward_fn, score_batch
 from rlhf_jax.rollback import RollbackWatch
 from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, reshard
@@ -30,43 +42,65 @@ from rlhf_jax.tokenizer import load_tokenizer
 from rlhf_jax.trackers import make_trackers
 
 
-@dataclasses.dataclass
-class Rollout:
-    """One step's sequences on host, prompt-major (row i*n + j = sample j of prompt i)."""
+class Experience(NamedTuple):
+    """One step's sequences and what the stages made of them: host arrays, prompt-major
+    (row i*n + j = sample j of prompt i); a field is None until its stage fills it."""
 
-    prompt_ids: np.ndarray  # [N, P]
-    prompt_mask: np.ndarray  # [N, P]
-    responses: np.ndarray  # [N, R]
-    response_mask: np.ndarray  # [N, R]
-    rollout_log_probs: np.ndarray  # [N, R]
+    seqs: ts.Sequences  # [N, ...] padded rows: prompt (left-padded) + response
     index: np.ndarray  # [N] prompt id within the batch (the GRPO group)
+    rollout_log_probs: np.ndarray  # [N, R] the engine's, at the rollout temperature
+    scores: np.ndarray | None = None  # [N] the reward function's
+    reward_baselines: np.ndarray | None = None  # [N] greedy response's score (ReMax)
+    old_log_probs: Any = None  # [N, R]
+    ref_log_probs: Any = None
+    values: Any = None
+    token_rewards: Any = None  # scores on the last token, minus the KL penalty
+    advantages: Any = None
+    returns: Any = None
+    kl: float | None = None  # the batch's KL in the reward (the controller's input)
+    metrics: dict = {}  # noqa: RUF012 (never mutated: stages replace it)
+    times: dict = {}  # noqa: RUF012
 
     @property
-    def input_ids(self):
-        return np.concatenate([self.prompt_ids, self.responses], axis=1)
+    def response_mask(self) -> np.ndarray:
+        return self.seqs.loss_mask
 
     @property
-    def attention_mask(self):
-        return np.concatenate([self.prompt_mask, self.response_mask], axis=1)
+    def prompt_mask(self) -> np.ndarray:
+        return self.seqs.segment_ids[:, : -self.seqs.targets.shape[-1]]
+
+    def with_metrics(self, **metrics) -> Experience:
+        return self._replace(metrics={**self.metrics, **metrics})
 
 
-class Trainer(Recovery):
-    """Holds the roles, data and trackers of one run; `run()` trains to the end."""
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """`fn(state, exp, chunks) -> exp`, timed as `timing_s/<name>` (None: not timed)."""
 
-    # Host offload (`ref.param_offload`, `actor.optimizer_offload`, `critic.optimizer_offload`):
-    # each assignment puts these in pinned host memory (a no-op without offload); the jitted
-    # steps bring them to device memory for their call only (`offload.onloaded`).
-    actor = offload.Offloaded("actor", "opt_state")
-    critic = offload.Offloaded("critic", "opt_state")
-    ref_params = offload.Offloaded("ref")
+    name: str | None
+    fn: Callable
+
+
+class Trainer:
+    """Holds the roles, data and trackers of one run and its `RunState`; `run()` trains to
+    the end."""
 
     def __init__(self, cfg):
         self.cfg = cfg
         self.layouts = roles.build_mesh(cfg)
-        validate_batch_arithmetic(cfg, self.layouts.dp)
+        # The validated split of a step's sequences, as each role's update walks it.
+        checked = validate_batch_arithmetic(cfg, self.layouts.dp)
+        a = cfg.actor_rollout_ref.actor
+        self.actor_plan = batching.Plan.of(checked.actor, checked, a.ppo_epochs, a.shuffle)
+        self.critic_plan = None if checked.critic is None else batching.Plan.of(
+            checked.critic, checked, cfg.critic.ppo_epochs or a.ppo_epochs, cfg.critic.shuffle)
         if cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_penalty == "full":
             raise ConfigError("algorithm.kl_penalty: 'full' needs both policies' logits, which "
                               "the KL in the reward does not keep; use kl, abs, mse or low_var_kl")
+        self.estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
+        if "values" in self.estimator.needs and not cfg.critic.enable:
+            raise ConfigError(f"algorithm.adv_estimator: {self.estimator.name!r} needs a "
+                              "critic's values; set critic.enable=true")
         self.run_dir = Path(cfg.trainer.default_local_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -74,7 +108,8 @@ class Trainer(Recovery):
         model_cfg = cfg.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
         self._build_data()
-        self._build_roles()
+        self.offload = offload.plan(cfg)  # before the first state is placed
+        self.state = self._build_roles()
         self.reward_fn = None
         fn = cfg.reward.custom_reward_function
         if fn.path:
@@ -85,13 +120,52 @@ class Trainer(Recovery):
             project=t.project_name, experiment=t.experiment_name)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints",
                                          max_to_keep=t.max_ckpt_to_keep)
+        self.recovery = Recovery(cfg, self.checkpointer)
         self.watch = RollbackWatch(t.rollback.max_kl, t.rollback.value_loss_spike)
-        self.rollbacks = 0
-        self.recent_scores: list[float] = []  # critic/score/mean of the last 5 steps
-        self.global_step = 0
+        self.state = self.state._replace(watch=self.watch.state(),
+                                         loader=self.train_loader.get_state())
+        self.stages = self.experience_stages()
         # Test-only: `fault_hook(trainer, metrics) -> metrics` runs after each step, before the
         # rollback checks (tests inject NaNs and spikes with it; no config key reaches it).
         self.fault_hook = None
+        self.hooks = self.default_hooks()
+
+    # ----------------------------------------------------------------------- run state
+
+    @property
+    def state(self) -> RunState:
+        return self._state
+
+    @state.setter
+    def state(self, state: RunState) -> None:
+        """Installs `state`; with host offload its reference and optimizer states go to
+        pinned host memory (the jitted steps bring them back for their call)."""
+        off = self.offload
+        if off["ref"].enabled:
+            state = state._replace(ref=off["ref"].to_host(state.ref))
+        for role in ("actor", "critic"):
+            s = getattr(state, role)
+            if off[role].enabled and s is not None:
+                state = state._replace(**{role: s._replace(
+                    opt_state=off[role].to_host(s.opt_state))})
+        self._state = state
+
+    def _field(name: str):  # noqa: N805 (a property factory, run at class creation)
+        def get(self):
+            return getattr(self._state, name)
+
+        def set_(self, value):
+            self.state = self._state._replace(**{name: value})
+
+        return property(get, set_, doc=f"`self.state.{name}`")
+
+    actor = _field("actor")
+    critic = _field("critic")
+    ref_params = _field("ref")
+    kl_state = _field("kl")
+    global_step = _field("step")
+    rollbacks = _field("rollbacks")
+    del _field
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -125,29 +199,28 @@ class Trainer(Recovery):
         per_epoch = self.train_loader.steps_per_epoch
         self.total_steps = t.total_training_steps or t.total_epochs * per_epoch
 
-    def _build_roles(self):
+    def _build_roles(self) -> RunState:
         cfg, lay = self.cfg, self.layouts
         arr = cfg.actor_rollout_ref
-        self.offload = offload.plan(cfg)  # before the first assignment of actor, ref, critic
         rng = jax.random.key(cfg.trainer.seed)
         self.actor_model = roles.actor_model(cfg).with_layout(lay.mesh, lay.spec.train_rules)
         params = roles.load_or_init(self.actor_model, arr.model.path, lay, rng)
-        self.actor_optim = roles.optim_config(arr.actor.optim, arr.actor.grad_clip,
-                                              self.total_steps)
-        self.actor = ts.init_state(params, ts.make_optimizer(self.actor_optim))
+        self.actor_optim = ts.OptimConfig.from_config(arr.actor.optim, arr.actor.grad_clip,
+                                                      self.total_steps)
+        actor = ts.init_state(params, ts.make_optimizer(self.actor_optim))
         need_ref = cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
-        self.ref_params = jax.tree.map(lambda x: x.copy(), params) if need_ref else None
-        self.critic = None
+        ref = jax.tree.map(lambda x: x.copy(), params) if need_ref else None
+        critic = None
         if cfg.critic.enable:
             self.critic_model, path = roles.critic_model(cfg)
             self.critic_model = self.critic_model.with_layout(lay.mesh, lay.spec.train_rules)
             critic_params = roles.load_or_init(self.critic_model, path, lay,
                                                jax.random.fold_in(rng, 1))
-            self.critic_optim = roles.optim_config(cfg.critic.optim, cfg.critic.grad_clip,
-                                                   self.total_steps)
-            self.critic = ts.init_state(critic_params, ts.make_optimizer(self.critic_optim))
+            self.critic_optim = ts.OptimConfig.from_config(cfg.critic.optim, cfg.critic.grad_clip,
+                                                           self.total_steps)
+            critic = ts.init_state(critic_params, ts.make_optimizer(self.critic_optim))
         self.gen_shardings = self.actor_model.shardings(lay.mesh, lay.spec.generate_rules)
-        self.gen_params = reshard(self.actor.params, self.gen_shardings)
+        self.gen_params = reshard(actor.params, self.gen_shardings)
         ro, d = arr.rollout, cfg.data
         self.engine = Engine(
             self.actor_model.with_layout(lay.mesh, lay.spec.generate_rules), lay.mesh,
@@ -158,42 +231,30 @@ class Trainer(Recovery):
         )
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
-        self.kl_state = self.kl_ctrl.init()
-        self._compile_steps()
+        self._compile_steps(actor, critic)
+        return RunState(actor, critic, ref, self.kl_ctrl.init())
 
-    def _compile_steps(self):
-        cfg, lay = self.cfg, self.layouts
-        a = cfg.actor_rollout_ref.actor
+    def _compile_steps(self, actor, critic):
+        cfg = self.cfg
         temperature = cfg.actor_rollout_ref.rollout.temperature
-        loss = ts.ActorLoss(
-            clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low,
-            clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-            loss_agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
-            use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-            temperature=temperature,
-        )
+        loss = ts.ActorLoss.from_config(cfg.actor_rollout_ref.actor, temperature)
         # Compiled for device memory; an offloaded opt_state comes there per call.
-        state_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, self.actor))
-        self.actor_update = jax.jit(
+        state_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, actor))
+        self.actor_update = offload.onloaded(jax.jit(
             functools.partial(ts.actor_update, model=self.actor_model, loss=loss,
                               optim=self.actor_optim),
             in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0,
-        )
-        params_sh = state_sh.params
-        self.log_probs = jax.jit(
+        ), self.offload["actor"], "opt_state")
+        self.log_probs = offload.onloaded(jax.jit(
             functools.partial(ts.log_probs_step, model=self.actor_model,
                               temperature=temperature, with_entropy=False),
-            in_shardings=(params_sh, None),
-        )
-        self.actor_update = offload.onloaded(self.actor_update, self.offload["actor"],
-                                             "opt_state")
-        self.log_probs = offload.onloaded(self.log_probs, self.offload["ref"])
-        if self.critic is not None:
-            c = cfg.critic
-            critic_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, self.critic))
+            in_shardings=(state_sh.params, None),
+        ), self.offload["ref"])
+        if critic is not None:
+            c, alg = cfg.critic, cfg.algorithm
+            critic_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, critic))
             kw = dict(model=self.critic_model, optim=self.critic_optim,
                       loss=ts.CriticLoss(c.cliprange_value, c.loss_agg_mode))
-            alg = cfg.algorithm
             for name, fn, outs in (
                 ("critic_update", functools.partial(ts.critic_update, **kw), (None,)),
                 ("critic_update_from_rollout", functools.partial(
@@ -206,14 +267,92 @@ class Trainer(Recovery):
             self.values = jax.jit(functools.partial(ts.values_step, model=self.critic_model),
                                   in_shardings=(critic_sh.params, None))
         self.peak_flops = peak_flops_per_device()
-        del lay
 
-    # ------------------------------------------------------------------------------ pieces
+    # ---------------------------------------------------------------- experience stages
 
-    def sampling(self, validate: bool = False) -> SamplingParams:
+    @property
+    def values_in_update(self) -> bool:
+        """Whether the critic's update makes the rollout's values (`critic.values_in_update`):
+        GAE, and one optimizer update a step (one epoch of one mini-batch)."""
+        cfg = self.cfg
+        return (cfg.critic.enable and cfg.critic.values_in_update
+                and cfg.algorithm.adv_estimator == "gae" and self.critic_plan.updates == 1)
+
+    def experience_stages(self) -> list[Stage]:
+        """The stages after the rollout, chosen once from the config: which one fills which
+        field of the `Experience`."""
+        cfg = self.cfg
+        stages = []
+        if cfg.algorithm.rollout_correction.bypass_mode:
+            stages.append(Stage(None, self._old_from_rollout))
+        else:
+            stages.append(Stage("old_log_prob", self._old_log_prob))
+        if self.state.ref is not None:
+            stages.append(Stage("ref", self._ref_log_prob))
+        if self.state.critic is not None and not self.values_in_update:
+            stages.append(Stage("values", self._values))
+        stages.append(Stage("adv", self._advantages))
+        return stages
+
+    def _old_from_rollout(self, state, exp, chunks):
+        """verl's bypass mode: the engine's log-probs of the tokens it sampled (the policy
+        that generated them) are PPO's old log-probs; no forward pass."""
+        mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
+        return exp._replace(old_log_probs=jax.numpy.asarray(exp.rollout_log_probs) * mask
+                            ).with_metrics(**{"training/old_log_prob_recomputed": 0.0})
+
+    def _old_log_prob(self, state, exp, chunks):
+        old = batching.unchunk(self.log_probs(state.actor.params, chunks)).block_until_ready()
+        mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
+        mx, mean = ppo.rollout_probs_diff(jax.numpy.asarray(exp.rollout_log_probs), old, mask)
+        return exp._replace(old_log_probs=old).with_metrics(**{
+            "training/old_log_prob_recomputed": 1.0,
+            "training/rollout_probs_diff_max": float(mx),
+            "training/rollout_probs_diff_mean": float(mean)})
+
+    def _ref_log_prob(self, state, exp, chunks):
+        ref = batching.unchunk(self.log_probs(state.ref, chunks)).block_until_ready()
+        return exp._replace(ref_log_probs=ref)
+
+    def _values(self, state, exp, chunks):
+        values = batching.unchunk(self.values(state.critic.params, chunks)).block_until_ready()
+        return exp._replace(values=values)
+
+    def _advantages(self, state, exp, chunks):
+        """Token rewards (with the KL in the reward) and, unless the critic's update makes
+        the values, the advantages of the configured estimator."""
+        alg = self.cfg.algorithm
+        mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
+        token_rewards = ppo.token_level_scores(jax.numpy.asarray(exp.scores), mask)
+        if alg.use_kl_in_reward:
+            beta = state.kl.kl_coef
+            token_rewards, current_kl = ppo.kl_in_reward(
+                token_rewards, exp.old_log_probs, exp.ref_log_probs, mask, beta,
+                kind=alg.kl_penalty)
+            exp = exp._replace(kl=float(current_kl)).with_metrics(**{
+                "actor/reward_kl_penalty": float(current_kl),
+                "actor/reward_kl_penalty_coeff": float(beta)})
+        exp = exp._replace(token_rewards=token_rewards)
+        if self.values_in_update:  # the critic's update fills values, advantages, returns
+            return exp
+        needs = self.estimator.needs
+        adv, returns = batching.fetch(ppo.advantages(
+            token_rewards, mask, estimator=alg.adv_estimator, gamma=float(alg.gamma),
+            lam=float(alg.lam), norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+            values=exp.values if "values" in needs else None,
+            index=(jax.numpy.asarray(exp.index, jax.numpy.int32) if "index" in needs
+                   else None),
+            reward_baselines=(jax.numpy.asarray(exp.reward_baselines)
+                              if "reward_baselines" in needs else None),
+        ))
+        return exp._replace(advantages=adv, returns=returns)
+
+    # -------------------------------------------------------------------- make_experience
+
+    def sampling(self, validate: bool = False, greedy: bool = False) -> SamplingParams:
         ro = self.cfg.actor_rollout_ref.rollout
         src = ro.val_kwargs if validate else ro
-        greedy = not src.do_sample or src.temperature == 0
+        greedy = greedy or not src.do_sample or src.temperature == 0
         return SamplingParams(
             temperature=src.temperature if src.temperature > 0 else 1.0, top_k=src.top_k,
             top_p=src.top_p, do_sample=not greedy,
@@ -221,185 +360,167 @@ class Trainer(Recovery):
             eos_ids=tuple(self.tokenizer.eos_token_ids), pad_id=self.tokenizer.pad_token_id,
         )
 
-    def generate(self, batch, n: int, sampling: SamplingParams, seed) -> Rollout:
+    def generate(self, batch, n: int, sampling: SamplingParams, seed) -> Experience:
+        """`n` responses for each prompt of `batch` from the engine's current weights."""
         out = generate_sequences(
             self.engine, self.gen_params, batch.input_ids, batch.attention_mask, n=n,
             sampling=sampling, rng=seed,
         )
-        return Rollout(
-            prompt_ids=np.repeat(batch.input_ids, n, axis=0),
-            prompt_mask=np.repeat(batch.attention_mask, n, axis=0),
-            responses=np.asarray(out.responses), response_mask=np.asarray(out.response_mask),
-            rollout_log_probs=np.asarray(out.rollout_log_probs),
-            index=np.repeat(np.arange(len(batch.input_ids)), n),
-        )
+        responses, response_mask = np.asarray(out.responses), np.asarray(out.response_mask)
+        seqs = ts.Sequences.padded(
+            np.concatenate([np.repeat(batch.input_ids, n, axis=0), responses], axis=1),
+            np.concatenate([np.repeat(batch.attention_mask, n, axis=0), response_mask], axis=1),
+            responses, response_mask)
+        return Experience(seqs, np.repeat(np.arange(len(batch.input_ids)), n),
+                          np.asarray(out.rollout_log_probs))
 
-    def score(self, batch, ro: Rollout, n: int) -> np.ndarray:
+    def score(self, batch, exp: Experience, n: int) -> np.ndarray:
         texts = [
             self.tokenizer.decode(r[: int(m.sum())].tolist())
-            for r, m in zip(ro.responses, ro.response_mask, strict=True)
+            for r, m in zip(exp.seqs.targets, exp.response_mask, strict=True)
         ]
         rep = lambda xs: [x for x in xs for _ in range(n)]
         return score_batch(rep(batch.data_source), texts, rep(batch.ground_truth),
                            rep(batch.extra_info), custom_fn=self.reward_fn)
 
-    def _chunk(self):
+    def _chunks(self, seqs: ts.Sequences):
+        """The rows on the mesh as `[K, m, ...]` chunks for the forward passes."""
         a = self.cfg.actor_rollout_ref
         per_dev = (a.rollout.log_prob_micro_batch_size_per_device
                    or a.actor.ppo_micro_batch_size_per_device)
-        return None if per_dev is None else per_dev * self.layouts.dp
-
-    def _seqs(self, ro: Rollout, chunk: int | None):
-        n = ro.responses.shape[0]
-        chunk = min(chunk or n, n)
-        arrays = ts.Sequences(ro.input_ids, ro.attention_mask, ro.responses, ro.response_mask)
-        host = jax.tree.map(lambda x: batching.chunked(x.astype(np.int32), chunk), arrays)
+        n = seqs.input_ids.shape[0]
+        chunk = min(per_dev * self.layouts.dp if per_dev else n, n)
+        host = jax.tree.map(lambda x: batching.chunked(x, chunk), seqs)
         return batching.put(host, self.layouts.mesh, self.layouts.batch_axes, lead=1)
 
-    def _plan(self, section, n_rows: int, n: int) -> batching.Plan:
-        a = self.cfg.actor_rollout_ref.actor
-        mini = (section.ppo_mini_batch_size or a.ppo_mini_batch_size) * n
-        per_dev = section.ppo_micro_batch_size_per_device
-        micro = mini if per_dev is None else per_dev * self.layouts.dp
-        return batching.Plan(n_rows, mini, micro, section.ppo_epochs or a.ppo_epochs,
-                             section.shuffle)
+    def make_experience(self, batch, state: RunState) -> Experience:
+        """Step `state.step`'s experience of `batch`: every field a stage fills, the
+        metrics of the stages and their times. Reads `state`, changes nothing."""
+        n = self.cfg.actor_rollout_ref.rollout.n
+        seed = jax.random.fold_in(jax.random.key(self.cfg.trainer.seed + 1), state.step)
+        timer = Timer()
+        with timer("gen"):
+            exp = self.generate(batch, n, self.sampling(), seed)
+        if "reward_baselines" in self.estimator.needs:
+            with timer("gen_max"):  # verl's ReMax: one greedy response per prompt
+                greedy = self.generate(batch, 1, self.sampling(greedy=True), seed)
+        with timer("reward"):
+            exp = exp._replace(scores=self.score(batch, exp, n))
+            if "reward_baselines" in self.estimator.needs:
+                exp = exp._replace(reward_baselines=np.repeat(self.score(batch, greedy, 1), n))
+        chunks = self._chunks(exp.seqs)
+        for stage in self.stages:
+            if stage.name is None:
+                exp = stage.fn(state, exp, chunks)
+            else:
+                with timer(stage.name):
+                    exp = stage.fn(state, exp, chunks)
+        return exp._replace(times=timer.times)
 
-    def _values_in_update(self, n_rows: int, n: int) -> bool:
-        """Whether the critic's update makes the rollout's values (`critic.values_in_update`):
-        GAE, and one optimizer update a step (one epoch of one mini-batch)."""
-        cfg = self.cfg
-        return (cfg.critic.values_in_update and cfg.algorithm.adv_estimator == "gae"
-                and self._plan(cfg.critic, n_rows, n).updates == 1)
+    # ------------------------------------------------------------------------------ learn
 
-    def _arranged(self, plan: batching.Plan, order, ro: Rollout, extra: dict):
-        seqs = ts.Sequences(ro.input_ids.astype(np.int32), ro.attention_mask.astype(np.int32),
-                            ro.responses.astype(np.int32), ro.response_mask.astype(np.int32))
-        host = jax.tree.map(lambda x: x[order], (seqs, extra))
-        mask = host[0].response_mask
+    def _arranged(self, plan: batching.Plan, order, exp: Experience, extra: dict):
+        host = jax.tree.map(lambda x: x[order], (exp.seqs, extra))
+        mask = host[0].loss_mask
         token_count = mask.sum(axis=(1, 2, 3)).astype(np.float32)
         seq_count = (mask.sum(-1) > 0).sum(axis=(1, 2)).astype(np.float32)
         dev = batching.put(host, self.layouts.mesh, self.layouts.batch_axes, lead=2)
         return dev, jax.numpy.asarray(token_count), jax.numpy.asarray(seq_count)
 
-    # -------------------------------------------------------------------------------- step
+    def _update_critic(self, state: RunState, exp: Experience):
+        """The critic's update; with `values_in_update` it also fills the values and the
+        advantages (whitened over the whole batch, as GAE's are) and returns."""
+        plan = self.critic_plan
+        order = plan.order(self.cfg.trainer.seed * 7919 + state.step)
+        if not self.values_in_update:
+            extra = {"values": batching.fetch(exp.values), "returns": exp.returns}
+            (seqs, ex), tok, sq = self._arranged(plan, order, exp, extra)
+            critic, m = self.critic_update(
+                state.critic, ts.CriticBatch(seqs, ex["values"], ex["returns"], tok, sq))
+            return state._replace(critic=critic), exp, jax.device_get(m)
+        extra = {"rewards": batching.fetch(exp.token_rewards)}
+        (seqs, ex), tok, sq = self._arranged(plan, order, exp, extra)
+        critic, m, outs = self.critic_update_from_rollout(
+            state.critic, ts.CriticRolloutBatch(seqs, ex["rewards"], tok, sq))
+        values, adv, returns = (batching.unarrange(x, order) for x in batching.fetch(outs))
+        mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
+        adv = batching.fetch(ppo.whiten(adv, mask))
+        exp = exp._replace(values=values, advantages=adv, returns=returns)
+        return state._replace(critic=critic), exp, jax.device_get(m)
 
-    def step(self, batch) -> dict:
+    def _update_actor(self, state: RunState, exp: Experience):
+        plan = self.actor_plan
+        order = plan.order(self.cfg.trainer.seed * 7919 + state.step + 1)
+        old = batching.fetch(exp.old_log_probs)
+        ref = batching.fetch(exp.ref_log_probs) if exp.ref_log_probs is not None \
+            else np.zeros_like(old)
+        extra = {"old": old, "adv": exp.advantages, "ref": ref}
+        (seqs, ex), tok, sq = self._arranged(plan, order, exp, extra)
+        actor, m = self.actor_update(
+            state.actor, ts.ActorBatch(seqs, ex["old"], ex["adv"], ex["ref"], tok, sq))
+        return state._replace(actor=actor), jax.device_get(m)
+
+    def learn(self, state: RunState, exp: Experience) -> tuple[RunState, dict]:
+        """update_critic -> update_actor (after `trainer.critic_warmup` steps) ->
+        update_weights on `exp`; the new state and the step's metrics (the experience's
+        included)."""
         cfg, timer = self.cfg, Timer()
-        n = cfg.actor_rollout_ref.rollout.n
-        seed = jax.random.fold_in(jax.random.key(cfg.trainer.seed + 1), self.global_step)
-        metrics: dict = {}
-        with timer("step"):
-            with timer("gen"):
-                ro = self.generate(batch, n, self.sampling(), seed)
-            with timer("reward"):
-                scores = self.score(batch, ro, n)
-            seqs = self._seqs(ro, self._chunk())
-            flat = lambda x: batching.unchunk(x)
-            mask = jax.numpy.asarray(ro.response_mask, jax.numpy.float32)
-            if cfg.algorithm.rollout_correction.bypass_mode:
-                # verl's bypass mode: the engine's log-probs of the tokens it sampled (the
-                # policy that generated them) are PPO's old log-probs; no forward pass.
-                old_logp = jax.numpy.asarray(ro.rollout_log_probs) * mask
-                metrics["training/old_log_prob_recomputed"] = 0.0
-            else:
-                with timer("old_log_prob"):
-                    old_logp = flat(self.log_probs(self.actor.params, seqs)).block_until_ready()
-                metrics["training/old_log_prob_recomputed"] = 1.0
-                mx, mean = ppo.rollout_probs_diff(jax.numpy.asarray(ro.rollout_log_probs),
-                                                  old_logp, mask)
-                metrics["training/rollout_probs_diff_max"] = float(mx)
-                metrics["training/rollout_probs_diff_mean"] = float(mean)
-            ref_logp = None
-            if self.ref_params is not None:
-                with timer("ref"):
-                    ref_logp = flat(self.log_probs(self.ref_params, seqs)).block_until_ready()
-            # One critic update a step (GAE): its forward pass gives the values.
-            fused = self.critic is not None and self._values_in_update(len(scores), n)
-            values = None
-            if self.critic is not None and not fused:
-                with timer("values"):
-                    values = flat(self.values(self.critic.params, seqs)).block_until_ready()
-            with timer("adv"):
-                token_scores = ppo.token_level_scores(jax.numpy.asarray(scores), mask)
-                token_rewards = token_scores
-                if cfg.algorithm.use_kl_in_reward:
-                    beta = self.kl_state.kl_coef
-                    token_rewards, current_kl = ppo.kl_in_reward(
-                        token_scores, old_logp, ref_logp, mask, beta,
-                        kind=cfg.algorithm.kl_penalty,
-                    )
-                    self.kl_state = self.kl_ctrl.update(self.kl_state, current_kl, len(scores))
-                    metrics["actor/reward_kl_penalty"] = float(current_kl)
-                    metrics["actor/reward_kl_penalty_coeff"] = float(beta)
-                alg = cfg.algorithm
-                if not fused:
-                    adv, returns = batching.fetch(ppo.advantages(
-                        token_rewards,
-                        values if values is not None else jax.numpy.zeros_like(mask), mask,
-                        jax.numpy.asarray(ro.index, jax.numpy.int32),
-                        estimator=alg.adv_estimator, gamma=float(alg.gamma),
-                        lam=float(alg.lam), norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-                    ))
-            host = batching.fetch({"old": old_logp, "ref": ref_logp, "values": values})
-            if self.critic is not None:
-                with timer("update_critic"):
-                    plan = self._plan(cfg.critic, len(scores), n)
-                    order = plan.order(cfg.trainer.seed * 7919 + self.global_step)
-                    extra = ({"rewards": batching.fetch(token_rewards)} if fused else
-                             {"values": host["values"], "returns": returns})
-                    (seqs_c, ex), tok, sq = self._arranged(plan, order, ro, extra)
-                    if fused:
-                        self.critic, m, outs = self.critic_update_from_rollout(
-                            self.critic, ts.CriticRolloutBatch(seqs_c, ex["rewards"], tok, sq))
-                        host["values"], adv, returns = (
-                            batching.unarrange(x, order) for x in batching.fetch(outs))
-                    else:
-                        self.critic, m = self.critic_update(
-                            self.critic, ts.CriticBatch(seqs_c, ex["values"], ex["returns"],
-                                                        tok, sq))
-                    metrics.update(jax.device_get(m))
-                if fused:
-                    with timer("adv"):  # whitened over the whole batch, as GAE's are
-                        adv = batching.fetch(ppo.whiten(adv, mask))
-            if self.global_step >= cfg.trainer.critic_warmup:
-                with timer("update_actor"):
-                    plan = self._plan(cfg.actor_rollout_ref.actor, len(scores), n)
-                    order = plan.order(cfg.trainer.seed * 7919 + self.global_step + 1)
-                    ref = host["ref"] if host["ref"] is not None else np.zeros_like(host["old"])
-                    extra = {"old": host["old"], "adv": adv, "ref": ref}
-                    (seqs_a, ex), tok, sq = self._arranged(plan, order, ro, extra)
-                    self.actor, m = self.actor_update(
-                        self.actor, ts.ActorBatch(seqs_a, ex["old"], ex["adv"], ex["ref"], tok, sq)
-                    )
-                    metrics.update(jax.device_get(m))
-                with timer("update_weights"):
-                    self.sync_weights()
+        metrics = dict(exp.metrics)
+        if exp.kl is not None:  # the adaptive controller follows the batch's KL
+            state = state._replace(kl=self.kl_ctrl.update(state.kl, exp.kl,
+                                                          len(exp.scores)))
+        if state.critic is not None:
+            with timer("update_critic"):
+                state, exp, m = self._update_critic(state, exp)
+                metrics.update(m)
+        if state.step >= cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                state, m = self._update_actor(state, exp)
+                metrics.update(m)
+            with timer("update_weights"):
+                self.sync_weights(state.actor.params)
         metrics.update(data_metrics(
-            scores=scores, token_rewards=batching.fetch(token_rewards), advantages=adv,
-            returns=returns, values=host["values"], response_mask=ro.response_mask,
-            prompt_mask=ro.prompt_mask, max_response_length=cfg.data.max_response_length,
+            scores=exp.scores, token_rewards=batching.fetch(exp.token_rewards),
+            advantages=exp.advantages, returns=exp.returns,
+            values=None if exp.values is None else batching.fetch(exp.values),
+            response_mask=exp.response_mask, prompt_mask=exp.prompt_mask,
+            max_response_length=cfg.data.max_response_length,
             max_prompt_length=cfg.data.max_prompt_length,
         ))
-        metrics.update(timer.metrics())
-        metrics.update(self._perf(ro, timer.times, cfg.actor_rollout_ref.actor.ppo_epochs))
-        return {k: float(v) for k, v in metrics.items()}
+        times = dict(exp.times)
+        for k, v in timer.times.items():
+            times[k] = times.get(k, 0.0) + v
+        return state, {**metrics, **{f"timing_s/{k}": v for k, v in times.items()}}
 
-    def _perf(self, ro: Rollout, times: dict, epochs: int) -> dict:
-        seq_lens = ro.attention_mask.sum(-1)
+    def step(self, batch, state: RunState | None = None) -> tuple[RunState, dict]:
+        """One training step: `make_experience` then `learn`, with the step's `perf/*`.
+        `state.step` is the step being made (1 for the first)."""
+        state = self.state if state is None else state
+        start = time.perf_counter()
+        exp = self.make_experience(batch, state)
+        state, metrics = self.learn(state, exp)
+        metrics["timing_s/step"] = time.perf_counter() - start
+        metrics.update(self._perf(exp, metrics))
+        return state, {k: float(v) for k, v in metrics.items()}
+
+    def _perf(self, exp: Experience, metrics: dict) -> dict:
+        seq_lens = exp.seqs.segment_ids.sum(-1)
         tokens = float(seq_lens.sum())
         devices = jax.device_count()
+        seconds = metrics["timing_s/step"]
         out = {
-            "perf/total_num_tokens": tokens, "perf/time_per_step": times["step"],
-            "perf/throughput": tokens / (times["step"] * devices),
+            "perf/total_num_tokens": tokens, "perf/time_per_step": seconds,
+            "perf/throughput": tokens / (seconds * devices),
         }
         peak = self.peak_flops * devices
-        if "update_actor" in times:
+        epochs = self.cfg.actor_rollout_ref.actor.ppo_epochs
+        if "timing_s/update_actor" in metrics:
             flops = train_flops(self.actor_model.cfg, seq_lens, epochs)
-            out["perf/mfu/actor"] = flops / (times["update_actor"] * peak)
-        if "update_critic" in times:
+            out["perf/mfu/actor"] = flops / (metrics["timing_s/update_actor"] * peak)
+        if "timing_s/update_critic" in metrics:
             c_epochs = self.cfg.critic.ppo_epochs or epochs
             flops = train_flops(self.critic_model.cfg, seq_lens, c_epochs)
-            out["perf/mfu/critic"] = flops / (times["update_critic"] * peak)
+            out["perf/mfu/critic"] = flops / (metrics["timing_s/update_critic"] * peak)
         return out
 
     def validate(self) -> dict:
@@ -409,8 +530,8 @@ class Trainer(Recovery):
         sums: dict[str, list[float]] = {}
         seed = jax.random.key(self.cfg.trainer.seed + 2)
         for batch in self.val_loader:
-            ro = self.generate(batch, vk.n, self.sampling(validate=True), seed)
-            scores = self.score(batch, ro, vk.n)
+            exp = self.generate(batch, vk.n, self.sampling(validate=True), seed)
+            scores = self.score(batch, exp, vk.n)
             for src, s in zip([x for x in batch.data_source for _ in range(vk.n)], scores,
                               strict=True):
                 sums.setdefault(src, []).append(float(s))
@@ -418,18 +539,98 @@ class Trainer(Recovery):
         return {f"val-core/{src}/reward/mean@{vk.n}": float(np.mean(v))
                 for src, v in sums.items()}
 
-    # --------------------------------------------------------------------------------- run
-
-    def sync_weights(self) -> None:
-        """update_weights: the actor's parameters, train layout -> generate layout."""
-        self.gen_params = reshard(self.actor.params, self.gen_shardings)
+    def sync_weights(self, params=None) -> None:
+        """update_weights: the actor's parameters, train layout -> the engine's generate
+        layout."""
+        params = self.state.actor.params if params is None else params
+        self.gen_params = reshard(params, self.gen_shardings)
         jax.block_until_ready(self.gen_params)
 
     def log(self, metrics: dict) -> None:
         for tracker in self.trackers:
             tracker.log(metrics, self.global_step)
 
+    # ------------------------------------------------------------------------------- hooks
+
+    def default_hooks(self) -> HookList:
+        """After each step, in this order: the test fault hook, rollback, validation,
+        trackers, early stop, checkpoint, profiler."""
+        t = self.cfg.trainer
+        hooks = HookList()
+        hooks.add("fault", self._fault_hook)
+        if t.rollback.enable:
+            hooks.add("rollback", self._rollback_hook)
+        if t.test_freq > 0:
+            hooks.add("validation", self._validation_hook, every=t.test_freq, at_end=True)
+        hooks.add("trackers", self._trackers_hook)
+        if t.early_stop_score is not None:
+            hooks.add("early_stop", self._early_stop_hook)
+        hooks.add("checkpoint", self._checkpoint_hook, every=t.save_freq, at_end=True)
+        if t.profile_steps:
+            hooks.add("profiler", self._profiler_hook)
+        return hooks
+
+    def _fault_hook(self, state, info: StepInfo):
+        if self.fault_hook is None:
+            return state
+        self.state = state
+        info.metrics = self.fault_hook(self, info.metrics)
+        return self.state
+
+    def _rollback_hook(self, state, info: StepInfo):
+        cause = self.watch.cause(info.metrics)
+        if cause is None:
+            self.watch.observe(info.metrics)
+            return state._replace(watch=self.watch.state())
+        self.history.append(info.metrics)
+        self.log(info.metrics)
+        state, event = self.recovery.roll_back(state, cause)
+        self._restored(state)
+        self.log(event)
+        info.rolled_back = True
+        return state
+
+    def _validation_hook(self, state, info: StepInfo):
+        info.metrics.update(self.validate())
+        return state
+
+    def _trackers_hook(self, state, info: StepInfo):
+        self.history.append(info.metrics)
+        self.log(info.metrics)
+        score = info.metrics["critic/score/mean"]
+        return state._replace(recent_scores=(*state.recent_scores, score)[-5:])
+
+    def _early_stop_hook(self, state, info: StepInfo):
+        t, recent = self.cfg.trainer, state.recent_scores
+        if len(recent) == 5 and np.mean(recent) >= t.early_stop_score:
+            info.stop = True
+            print(f"early stop at step {state.step}: mean score of the last 5 steps "
+                  f"{np.mean(recent):.3f} >= {t.early_stop_score}", flush=True)
+        return state
+
+    def _checkpoint_hook(self, state, info: StepInfo):
+        self.recovery.save(state)
+        return state
+
+    def _profiler_hook(self, state, info: StepInfo):
+        """`trainer.profile_steps`: a `jax.profiler` trace of those steps, in
+        `<run>/profile` (TensorBoard's profile plugin and Perfetto read it)."""
+        steps = set(self.cfg.trainer.profile_steps)
+        if info.step in steps and (info.step + 1) not in steps:
+            jax.profiler.stop_trace()
+        if (info.step + 1) in steps and info.step not in steps and not info.final:
+            jax.profiler.start_trace(str(self.run_dir / "profile"))
+        return state
+
     # --------------------------------------------------------------------------------- run
+
+    def _restored(self, state: RunState) -> None:
+        """Installs a restored state: the data loader, the watch and the engine's weights
+        follow it."""
+        self.state = state
+        self.train_loader.set_state(state.loader)
+        self.watch.load(state.watch)
+        self.sync_weights()
 
     def _next_batch(self):
         try:
@@ -437,52 +638,49 @@ class Trainer(Recovery):
         except StopIteration:  # an epoch ended: the loader moved to the next one
             return next(self.train_loader)
 
+    def start(self) -> None:
+        """Resumes from a checkpoint (`trainer.resume_mode`), or starts afresh: the SFT
+        warm start, validation before training, the rollback target of step 0."""
+        t = self.cfg.trainer
+        got = self.recovery.restore(self.state)
+        if got is not None:
+            state, origin = got
+            self._restored(state)
+            print(f"resumed from {origin} at step {state.step} "
+                  f"(epoch {self.train_loader.epoch})", flush=True)
+            self.log({"event": "training/resumed", "from_step": state.step, "path": origin})
+            return
+        self.state = sft.warm_start(self, self.state)
+        if t.val_before_train:
+            self.log(self.validate())
+        if t.rollback.enable:  # the rollback target until the first save
+            self.recovery.save(self.state)
+
     def run(self) -> list[dict]:
         """Trains to `total_steps` (or the early stop); returns every logged step's metrics."""
-        t, rb = self.cfg.trainer, self.cfg.trainer.rollback
-        history = []
+        self.history: list[dict] = []
+        if t := self.cfg.trainer.profile_steps:
+            if 1 in t:
+                jax.profiler.start_trace(str(self.run_dir / "profile"))
         try:
-            if not self.restore():
-                sft.warm_start(self)
-                if t.val_before_train:
-                    self.log(self.validate())
-                if rb.enable:  # the rollback target until the first save
-                    self.save()
+            self.start()
             while self.global_step < self.total_steps:
                 batch = self._next_batch()
-                self.global_step += 1
-                metrics = self.step(batch)
+                state = self.state._replace(step=self.global_step + 1,
+                                            loader=self.train_loader.get_state(),
+                                            epoch=self.train_loader.epoch)
+                state, metrics = self.step(batch, state)
                 metrics["training/epoch"] = float(self.train_loader.epoch)
-                if self.fault_hook is not None:
-                    metrics = self.fault_hook(self, metrics)
-                cause = self.watch.cause(metrics) if rb.enable else None
-                if cause is not None:
-                    history.append(metrics)
-                    self.log(metrics)
-                    self.roll_back(cause)
-                    continue
-                self.watch.observe(metrics)
-                if t.test_freq > 0 and (self.global_step % t.test_freq == 0
-                                        or self.global_step == self.total_steps):
-                    metrics.update(self.validate())
-                history.append(metrics)
-                self.log(metrics)
-                self.recent_scores = [*self.recent_scores, metrics["critic/score/mean"]][-5:]
-                stop = (t.early_stop_score is not None and len(self.recent_scores) == 5
-                        and np.mean(self.recent_scores) >= t.early_stop_score)
-                if stop or self.global_step == self.total_steps or (
-                        t.save_freq > 0 and self.global_step % t.save_freq == 0):
-                    self.save()
-                if stop:
-                    print(f"early stop at step {self.global_step}: mean score of the last 5 "
-                          f"steps {np.mean(self.recent_scores):.3f} >= {t.early_stop_score}",
-                          flush=True)
+                info = StepInfo(state.step, metrics, final=state.step == self.total_steps)
+                self.state = state
+                self.state = self.hooks.run(self.state, info)
+                if info.stop:
                     break
         finally:
             self.checkpointer.close()
             for tracker in self.trackers:
                 tracker.close()
-        return history
+        return self.history
 
 
 def train(cfg) -> list[dict]:

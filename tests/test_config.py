@@ -52,6 +52,9 @@ def run_script(*args: str, importtime: bool = False) -> subprocess.CompletedProc
      "actor_rollout_ref.actor.ppo_epochs: expected int, got str 'two'"),
     (["algorithm.kl_ctrl.type=adaptiv"],
      "algorithm.kl_ctrl.type: 'adaptiv' is not one of fixed, adaptive"),
+    (["algorithm.adv_estimator=ppo"],  # the names registered in core_algos.registry
+     "algorithm.adv_estimator: 'ppo' is not one of gae, grpo, rloo, reinforce_plus_plus, "
+     "reinforce_plus_plus_baseline, remax"),
     (["actor_rollout_ref.model.path=null"], "actor_rollout_ref.model.path is required"),
     (["--config", "configs/no_such.yaml"], "config file not found: configs/no_such.yaml"),
     (["foo"], "no '=' in override 'foo' (expected key.path=value)"),
@@ -126,6 +129,7 @@ def test_defaults_are_verls():
     assert (cfg.data.max_prompt_length, cfg.data.train_batch_size) == (512, 1024)
     assert arr.actor.ppo_mini_batch_size == 256 and arr.actor.clip_ratio_c == 3.0
     assert arr.actor.loss_agg_mode == "token-mean" and arr.actor.kl_loss_type == "low_var_kl"
+    assert arr.actor.policy_loss.loss_mode == "vanilla" and cfg.algorithm.adv_estimator == "gae"
     assert arr.actor.optim.lr == 1e-6 and cfg.critic.optim.lr == 1e-5
     assert arr.actor.optim.betas == (0.9, 0.999)
     assert arr.rollout.val_kwargs.do_sample is False and arr.rollout.top_k == -1
@@ -147,6 +151,7 @@ def test_derived_defaults_are_filled_in():
     assert (cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_epochs) == (256, 3)
     assert cfg.trainer.default_local_dir == "checkpoints/rlhf_jax/e1"
     assert minimal("algorithm.adv_estimator=grpo").critic.enable is False
+    assert minimal("algorithm.adv_estimator=remax").critic.enable is False
     assert minimal("trainer.default_local_dir=out/${project_name}").trainer.default_local_dir == (
         "out/rlhf_jax")
 
@@ -254,6 +259,12 @@ def test_mesh_string_dict_and_sizes(tmp_path):
     ("actor_rollout_ref.rollout.temperature=0", "rollout.temperature: must be > 0 when do_sample"),
     ("actor_rollout_ref.rollout.top_p=0", "rollout.top_p: must be in (0, 1]"),
     ("critic.enable=false", "critic.enable: algorithm.adv_estimator=gae needs a critic"),
+    ("algorithm.adv_estimator=3", "algorithm.adv_estimator: expected one of gae, grpo, rloo, "
+     "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, got int 3"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+     "actor_rollout_ref.actor.policy_loss.loss_mode: 'gspo' is not one of vanilla"),
+    ("actor_rollout_ref.actor.policy_loss.mode=x",
+     "did you mean 'actor_rollout_ref.actor.policy_loss.loss_mode'?"),
     ("actor_rollout_ref.actor.ppo_mini_batch_size=2048", "2048 prompts is more than"),
     ("data.train_batch_size=1000", "data.train_batch_size 1000 x rollout.n 1 sequences do not"),
     ("critic.ppo_mini_batch_size=300", "critic.ppo_mini_batch_size: data.train_batch_size 1024"),

@@ -197,7 +197,8 @@ def test_masked_functions_compile_once():
 def test_import_pulls_in_no_heavy_dependency():
     heavy = ["flax", "optax", "orbax", "grain", "ray", "jetstream", "tensorflow"]
     code = (
-        "import sys, rlhf_jax.core_algos\n"
+        "import sys, rlhf_jax.core_algos as ca\n"
+        "[getattr(ca, name) for name in ca.__all__]\n"  # the names load their modules lazily
         f"bad = [m for m in sys.modules if m.split('.')[0] in {heavy!r}]\n"
         "assert 'jax' in sys.modules\n"
         "print(','.join(bad))\n"
@@ -205,3 +206,26 @@ def test_import_pulls_in_no_heavy_dependency():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=True)
     assert out.stdout.strip() == "", f"core_algos imported {out.stdout.strip()}"
+
+
+def test_registries_load_without_jax():
+    """The config reads the registered names, and reading a config must not load jax."""
+    code = (
+        "import sys, rlhf_jax.core_algos as ca\n"
+        "assert 'grpo' in ca.adv_estimator_names() and 'vanilla' in ca.policy_loss_names()\n"
+        "print(','.join(m for m in sys.modules if m.split('.')[0] in ('jax', 'numpy')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "", f"the registries imported {out.stdout.strip()}"
+
+
+def test_lazy_names_are_the_module_attributes():
+    from rlhf_jax.core_algos import advantages, losses, registry
+
+    assert ca.compute_policy_loss is losses.compute_policy_loss
+    assert ca.compute_gae_return is advantages.compute_gae_return
+    assert ca.get_adv_estimator is registry.get_adv_estimator
+    assert ca.advantages is advantages and set(ca.__all__) <= set(dir(ca))
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        ca.no_such_name  # noqa: B018

@@ -117,6 +117,26 @@ def test_register_new_source():
         del rewards.REGISTRY["test/echo"]
 
 
+def test_register_reward_decorator_scores_batches(monkeypatch):
+    monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))  # dropped after the test
+
+    @rewards.register_reward("test/len", "test/len-hard")
+    def by_length(solution_str, ground_truth, extra_info):
+        return float(len(solution_str) == int(ground_truth)) * (extra_info or {}).get("w", 1.0)
+
+    assert rewards.REGISTRY["test/len"] is rewards.REGISTRY["test/len-hard"] is by_length
+    scores = rewards.score_batch(["test/len", "test/len-hard", "openai/gsm8k"],
+                                 ["abc", "ab", "#### 7"], ["3", "2", "7"], [None, {"w": 0.5}, None])
+    np.testing.assert_array_equal(scores, np.array([1.0, 0.5, 1.0], np.float32))
+    with pytest.raises(TypeError, match="one or more data_source names"):
+        rewards.register_reward(by_length)
+
+
+def test_builtin_scorers_are_registered():
+    assert {"openai/gsm8k", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
+            "HuggingFaceH4/MATH-500", "synthetic/addition"} <= set(rewards.REGISTRY)
+
+
 CUSTOM = '''
 def my_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": 2.0 if solution_str == ground_truth else -1.0, "acc": 1.0}

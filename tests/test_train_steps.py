@@ -26,8 +26,8 @@ def _rollout(seed=0):
     resp = rng.integers(0, 32, (N, R)).astype(np.int32)
     lengths = rng.integers(1, R + 1, N)
     rmask = (np.arange(R)[None] < lengths[:, None]).astype(np.int32)
-    seqs = ts.Sequences(np.concatenate([prompt, resp], 1), np.concatenate([pmask, rmask], 1),
-                        resp, rmask)
+    seqs = ts.Sequences.padded(np.concatenate([prompt, resp], 1),
+                               np.concatenate([pmask, rmask], 1), resp, rmask)
     extra = {
         "old": rng.normal(-3.0, 0.3, (N, R)).astype(np.float32) * rmask,
         "adv": rng.normal(0.0, 1.0, (N, R)).astype(np.float32) * rmask,

@@ -101,7 +101,8 @@ def actor_batch(mesh, batch_axes, *, batch: int, micro: int, prompt_len: int,
     ids = rng.integers(3, vocab, size=(1, k, micro, t)).astype(np.int32)
     resp = ids[..., prompt_len:]
     ones = lambda *s: np.ones(s, np.int32)
-    seqs = ts.Sequences(ids, ones(1, k, micro, t), resp, ones(1, k, micro, response_len))
+    seqs = ts.Sequences.padded(ids, ones(1, k, micro, t), resp,
+                               ones(1, k, micro, response_len))
     f = lambda: (rng.standard_normal((1, k, micro, response_len)) * 0.1).astype(np.float32)
     old, adv = f() - 2.0, f() * 10
     dev = batching.put((seqs, old, adv, np.zeros_like(old)), mesh, batch_axes, lead=2)

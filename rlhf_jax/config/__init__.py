@@ -9,7 +9,8 @@ Every config problem (unknown key, wrong type, bad enum value, impossible batch 
 `critic.ppo_mini_batch_size`, `tokenizer_path`, `clip_ratio_low/high`, and the
 `${trainer.project_name}`/`${trainer.experiment_name}` placeholders of
 `trainer.default_local_dir`) are filled in at load, so `to_yaml` shows what the trainer uses.
-Imports only the standard library and PyYAML: `scripts/train.py --print-config` never loads jax.
+Imports only the standard library, PyYAML and the jax-free `core_algos.registry` (the allowed
+estimator and policy-loss names): `scripts/train.py --print-config` never loads jax.
 """
 
 from rlhf_jax.config.checks import (
@@ -29,6 +30,7 @@ from rlhf_jax.config.loader import (
 )
 from rlhf_jax.config.schema import (
     ActorConfig,
+    ActorPolicyLossConfig,
     ActorRolloutRefConfig,
     AlgorithmConfig,
     Config,
@@ -57,6 +59,7 @@ from rlhf_jax.errors import ConfigError
 __all__ = [
     "MESHES_DIR",
     "ActorConfig",
+    "ActorPolicyLossConfig",
     "ActorRolloutRefConfig",
     "AlgorithmConfig",
     "BatchPlan",

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlhf_jax.core_algos.registry import get_adv_estimator
 from rlhf_jax.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ def resolve(cfg: Config) -> dict[str, Any]:
         out["actor_rollout_ref"] = dataclasses.replace(arr, model=model, actor=actor)
     new_critic = dataclasses.replace(
         critic,
-        enable=_default(critic.enable, cfg.algorithm.adv_estimator == "gae"),
+        enable=_default(critic.enable, _needs_values(cfg)),
         ppo_mini_batch_size=_default(critic.ppo_mini_batch_size, actor.ppo_mini_batch_size),
         ppo_epochs=_default(critic.ppo_epochs, actor.ppo_epochs),
         model=dataclasses.replace(
@@ -131,6 +132,11 @@ def resolve(cfg: Config) -> dict[str, Any]:
     if local_dir != trainer.default_local_dir:
         out["trainer"] = dataclasses.replace(trainer, default_local_dir=local_dir)
     return out
+
+
+def _needs_values(cfg: Config) -> bool:
+    """Whether the advantage estimator takes critic values (gae)."""
+    return "values" in get_adv_estimator(cfg.algorithm.adv_estimator).needs
 
 
 def _interpolate(trainer: Any) -> str:
@@ -212,8 +218,9 @@ def validate(cfg: Config) -> None:
     _check_mini_batch(f"{_ARR}.actor", arr.actor.ppo_mini_batch_size, cfg)
     if cfg.critic.enable:
         _check_mini_batch("critic", cfg.critic.ppo_mini_batch_size, cfg)
-    elif cfg.algorithm.adv_estimator == "gae":
-        _fail("critic.enable", "algorithm.adv_estimator=gae needs a critic")
+    elif _needs_values(cfg):
+        _fail("critic.enable", f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a "
+              "critic")
     if not data.train_files:
         _fail("data.train_files", "must name at least one file")
     if data.val_files is None and (trainer.test_freq > 0 or trainer.val_before_train):

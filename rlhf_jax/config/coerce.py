@@ -1,7 +1,8 @@
 """Turning YAML values into the typed, frozen config tree, with one-line errors that name the key.
 
 The schema is the dataclass annotations themselves: `int`, `float`, `bool`, `str`, `X | None`,
-`Literal[...]` (an enum), `tuple[X, ...]` (a YAML list), `tuple[X, Y]` (a fixed-length list),
+`Literal[...]` (an enum), `Annotated[str, OneOf(names)]` (an enum whose values a registry
+holds, asked at every check), `tuple[X, ...]` (a YAML list), `tuple[X, Y]` (a fixed-length list),
 `FrozenDict` (a free-form mapping) and nested dataclasses (sections).
 """
 
@@ -13,8 +14,8 @@ import functools
 import re
 import types
 import typing
-from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Annotated, Any, Literal
 
 from rlhf_jax.errors import ConfigError
 
@@ -35,6 +36,14 @@ _VERL_HINTS = {
                                "rollout_rs", "rollout_rs_threshold", "rollout_rs_threshold_lower",
                                "rollout_token_veto_threshold", "use_policy_gradient")},
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    """`Annotated[str, OneOf(names)]`: a str among `names()`, e.g. the registered advantage
+    estimators; asked when a value is checked, so names registered later are accepted."""
+
+    names: Callable[[], Iterable[str]]
 
 
 class FrozenDict(Mapping):
@@ -99,7 +108,7 @@ def describe(value: Any) -> str:
 
 @functools.cache
 def hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 def optional_inner(tp: Any) -> tuple[Any, bool]:
@@ -112,11 +121,24 @@ def optional_inner(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def choices(tp: Any) -> tuple[str, ...] | None:
+    """The allowed values of a `Literal[...]` or `Annotated[str, OneOf(...)]`; else None."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return typing.get_args(tp)
+    if origin is Annotated:
+        one_of = [m for m in tp.__metadata__ if isinstance(m, OneOf)]
+        if one_of:
+            return tuple(one_of[0].names())
+    return None
+
+
 def type_name(tp: Any) -> str:
     tp, optional = optional_inner(tp)
     origin = typing.get_origin(tp)
-    if origin is Literal:
-        name = "one of " + ", ".join(map(str, typing.get_args(tp)))
+    allowed = choices(tp)
+    if allowed is not None:
+        name = "one of " + ", ".join(map(str, allowed))
     elif origin is tuple:
         args = typing.get_args(tp)
         elem = args[0] if len(args) == 2 and args[1] is Ellipsis else None
@@ -136,14 +158,14 @@ def convert(value: Any, tp: Any, path: str, root: type) -> Any:
             return None
         raise ConfigError(f"{path}: expected {type_name(tp)}, got null")
     origin = typing.get_origin(tp)
+    allowed = choices(tp)
     if dataclasses.is_dataclass(tp):
         return value if isinstance(value, tp) else build(tp, value, path, root)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if isinstance(value, str) and value in choices:
+    if allowed is not None:
+        if isinstance(value, str) and value in allowed:
             return value
         if isinstance(value, str):
-            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(choices)}")
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(allowed)}")
     elif origin is tuple:
         return _convert_tuple(value, tp, path, root)
     elif tp is FrozenDict:
@@ -170,7 +192,7 @@ def convert(value: Any, tp: Any, path: str, root: type) -> Any:
 def _convert_tuple(value: Any, tp: Any, path: str, root: type) -> tuple:
     args = typing.get_args(tp)
     variadic = len(args) == 2 and args[1] is Ellipsis
-    stringy = variadic and (args[0] is str or typing.get_origin(args[0]) is Literal)
+    stringy = variadic and (args[0] is str or choices(args[0]) is not None)
     if stringy and isinstance(value, str):  # `trainer.logger=console` means [console], as verl
         value = [value]
     if not isinstance(value, list | tuple):

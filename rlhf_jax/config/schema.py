@@ -2,16 +2,19 @@
 
 Defaults are those of verl's `ppo_trainer.yaml` except where a comment gives the reason.
 A `null` that means "same as another key" is filled in when the `Config` is built (see
-`checks.resolve`), so `to_yaml(cfg)` shows the values the trainer will use.
+`checks.resolve`), so `to_yaml(cfg)` shows the values the trainer will use. The advantage
+estimators and policy-loss modes are the names registered in `core_algos.registry` (which
+imports no jax).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from rlhf_jax.config import checks
-from rlhf_jax.config.coerce import FrozenDict, Section
+from rlhf_jax.config.coerce import FrozenDict, OneOf, Section
+from rlhf_jax.core_algos.registry import adv_estimator_names, policy_loss_names
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 LossAggMode = Literal[
@@ -21,9 +24,8 @@ LossAggMode = Literal[
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 ]
-AdvEstimator = Literal[
-    "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"
-]
+AdvEstimatorName = Annotated[str, OneOf(adv_estimator_names)]
+PolicyLossName = Annotated[str, OneOf(policy_loss_names)]
 Logger = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
 
 _section = dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +94,13 @@ class CriticOptimConfig(OptimConfig):
 
 
 @_section
+class ActorPolicyLossConfig(Section):
+    """`actor_rollout_ref.actor.policy_loss.*`: which registered policy loss the actor uses."""
+
+    loss_mode: PolicyLossName = "vanilla"  # PPO clip + dual clip
+
+
+@_section
 class ActorConfig(Section):
     """`actor_rollout_ref.actor.*`: the PPO policy update."""
 
@@ -111,6 +120,7 @@ class ActorConfig(Section):
     grad_clip: float = 1.0
     optimizer_offload: bool = False
     optim: OptimConfig = _factory(OptimConfig)
+    policy_loss: ActorPolicyLossConfig = _factory(ActorPolicyLossConfig)
 
 
 @_section
@@ -174,7 +184,7 @@ class CriticModelConfig(Section):
 class CriticConfig(Section):
     """`critic.*`: the value model and its clipped value loss."""
 
-    enable: bool | None = None  # null -> true iff algorithm.adv_estimator == gae
+    enable: bool | None = None  # null -> true iff algorithm.adv_estimator needs values (gae)
     model: CriticModelConfig = _factory(CriticModelConfig)
     optim: CriticOptimConfig = _factory(CriticOptimConfig)
     ppo_mini_batch_size: int | None = None  # null -> the actor's
@@ -242,7 +252,7 @@ class AlgorithmConfig(Section):
 
     gamma: float = 1.0
     lam: float = 1.0
-    adv_estimator: AdvEstimator = "gae"
+    adv_estimator: AdvEstimatorName = "gae"
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"  # kl|k1|abs|mse|k2|low_var_kl|k3 (optionally with "+") or full
@@ -300,6 +310,8 @@ class TrainerConfig(Section):
     max_ckpt_to_keep: int | None = None  # null: keep all
     seed: int = 0
     log_val_generations: int = 0
+    # Steps traced by jax.profiler into <default_local_dir>/profile (verl's key; null: none).
+    profile_steps: tuple[int, ...] | None = None
     rollback: RollbackConfig = _factory(RollbackConfig)
     sft_warmup: SftWarmupConfig = _factory(SftWarmupConfig)
 

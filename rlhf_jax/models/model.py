@@ -39,9 +39,20 @@ def positions_from_mask(attention_mask_bt):
 
 def causal_mask(attention_mask_bt):
     """[B, T, T] bool: query t sees key s iff s <= t and s is a real token."""
-    t = attention_mask_bt.shape[-1]
+    return segment_mask(attention_mask_bt)
+
+
+def segment_mask(segment_ids_bt):
+    """[B, T, T] bool: query t sees key s iff s <= t, s is a real token (segment > 0) and
+    both are in the same segment; a padding query (segment 0) sees every real key before it.
+
+    With one segment per row (segment ids = the attention mask of a padded row) this is
+    the causal mask over the real tokens; packed rows get one causal block per sequence."""
+    t = segment_ids_bt.shape[-1]
+    seg = segment_ids_bt.astype(jnp.int32)
     causal_tt = jnp.tril(jnp.ones((t, t), dtype=bool))
-    return causal_tt[None] & attention_mask_bt.astype(bool)[:, None, :]
+    key_bs, query_bt = seg[:, None, :], seg[:, :, None]
+    return causal_tt[None] & (key_bs > 0) & ((key_bs == query_bt) | (query_bt == 0))
 
 
 def cache_mask(write_index_b, t: int, s: int, kv_mask_bs=None):
@@ -95,7 +106,14 @@ class Model:
         subtrees (`per_layer_params`) when this model unrolls its layers, else unchanged.
         A train step splits once, outside its gradient, so that the gradients of the
         micro-batches come per layer and are stacked (`stack_layers`) once per update."""
-        return params if self.scans_layers else per_layer_params(params)
+        if self.scans_layers:
+            return params
+        layers = params["model"]["layers"]
+        if not isinstance(layers, tuple) and not jax.tree.leaves(layers):
+            # a tree with no layer weights (e.g. the frozen part when every layer trains)
+            n = self.cfg.num_hidden_layers
+            return {**params, "model": {**params["model"], "layers": (layers,) * n}}
+        return per_layer_params(params)
 
     def stack_layers(self, tree):
         """A params-shaped tree (e.g. gradients) with its layer stack as [L, ...] arrays."""
@@ -129,18 +147,25 @@ class Model:
         )
         return init(rng)
 
-    def forward(self, params, input_ids_bt, attention_mask_bt, head_slice: slice | None = None):
-        """Full-sequence forward of a (left-)padded batch: logits [B,T,V] or values [B,T].
+    def forward(self, params, input_ids_bt, attention_mask_bt=None,
+                head_slice: slice | None = None, *, positions=None, segment_ids=None):
+        """Full-sequence forward: logits [B,T,V] or values [B,T].
+
+        The layout is either an `attention_mask_bt` of a (left-)padded batch (positions
+        counted from each row's first real token) or explicit `positions` and
+        `segment_ids` (`segment_mask`: packed rows hold several sequences).
 
         With `head_slice` (static), only those positions go through the head: e.g.
         `slice(-R - 1, -1)` for the R positions that predict a response, which spares the
         LM head's matmul (and its backward) on the prompt.
         """
+        if segment_ids is None:
+            positions = positions_from_mask(attention_mask_bt)
+            segment_ids = attention_mask_bt
         with self._layout():
             out, _ = self.module.apply(
-                {"params": self.split_layers(params)}, input_ids_bt,
-                positions_from_mask(attention_mask_bt), causal_mask(attention_mask_bt),
-                head_slice=head_slice,
+                {"params": self.split_layers(params)}, input_ids_bt, positions,
+                segment_mask(segment_ids), head_slice=head_slice,
             )
         return out
 

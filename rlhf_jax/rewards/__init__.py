@@ -3,6 +3,9 @@
     compute_score("openai/gsm8k", "... #### 72", "72")      -> 1.0
     score_batch(sources, responses, truths, extra_infos)    -> float32 [batch]
 
+    @register_reward("my/data")                             # a scorer for more rows
+    def my_score(solution_str, ground_truth, extra_info): return 1.0
+
 A user function (`reward.custom_reward_function.path/name`) replaces the registry for every
 row; it is called as `fn(data_source=, solution_str=, ground_truth=, extra_info=)` and may
 return a float or a dict with a "score" key.
@@ -30,15 +33,42 @@ REGISTRY: dict[str, Scorer] = {}
 
 
 def register(data_source: str, scorer: Scorer) -> None:
-    """Score rows whose `data_source` is `data_source` with `scorer`."""
+    """Score rows whose `data_source` is `data_source` with `scorer` (replacing any other)."""
     REGISTRY[data_source] = scorer
 
 
-register("openai/gsm8k", lambda s, gt, extra: gsm8k.compute_score(s, gt))
-for _name in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"):
-    register(_name, lambda s, gt, extra: math_reward.compute_score(s, gt))
-del _name
-register("synthetic/addition", lambda s, gt, extra: addition.compute_score(s, gt))
+def register_reward(*data_sources: str) -> Callable[[Scorer], Scorer]:
+    """Decorator: `scorer(solution_str, ground_truth, extra_info) -> float` scores the rows
+    of each of `data_sources` (a later registration of the same source replaces it).
+
+        @register_reward("my/data", "my/data-hard")
+        def my_score(solution_str, ground_truth, extra_info): ...
+    """
+    if not data_sources or not all(isinstance(s, str) for s in data_sources):
+        raise TypeError("register_reward takes one or more data_source names: "
+                        "@register_reward('my/data')")
+
+    def decorator(scorer: Scorer) -> Scorer:
+        for source in data_sources:
+            register(source, scorer)
+        return scorer
+
+    return decorator
+
+
+@register_reward("openai/gsm8k")
+def _gsm8k(solution_str: str, ground_truth: Any, extra_info: Any) -> float:
+    return gsm8k.compute_score(solution_str, ground_truth)
+
+
+@register_reward("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+def _math(solution_str: str, ground_truth: Any, extra_info: Any) -> float:
+    return math_reward.compute_score(solution_str, ground_truth)
+
+
+@register_reward("synthetic/addition")
+def _addition(solution_str: str, ground_truth: Any, extra_info: Any) -> float:
+    return addition.compute_score(solution_str, ground_truth)
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any,
