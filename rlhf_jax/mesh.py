@@ -4,8 +4,9 @@ A preset (`meshes/<name>.yaml`) holds axis sizes and names its logical-axis rule
 (`rules: default`, the file `meshes/rules/default.yaml` that every preset shares): those of
 the **train** layout (parameters over fsdp x tensor) and of the **generate** layout
 (parameters replicated over fsdp, sharded over tensor; batch and KV cache over data x fsdp).
-A preset's own `train_rules` / `generate_rules` entries replace the named ones entry by entry. Model code names logical axes
-only (`embed`, `mlp`, `heads`, ...); this module is the one place that maps them to mesh axes.
+A preset's own `train_rules` / `generate_rules` entries replace the named ones entry by entry.
+Model code names logical axes only (`embed`, `mlp`, `heads`, ...); this module is the one place
+that maps them to mesh axes.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import numpy as np
 import yaml
 
 from rlhf_jax.errors import ConfigError
+from rlhf_jax.paths import MESHES_DIR, RULES_DIR
 
 AXES = ("data", "fsdp", "tensor")
-MESHES_DIR = Path(__file__).resolve().parents[1] / "meshes"
-RULES_DIR = MESHES_DIR / "rules"
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 

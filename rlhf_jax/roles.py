@@ -13,7 +13,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlhf_jax import train_steps as ts
 from rlhf_jax.errors import ModelError
 from rlhf_jax.mesh import MeshSpec, load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, load_model_config

@@ -45,6 +45,21 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as transformers' renderer shows it to a template: keys whose value is None
+    dropped (templates test whether a key is there, e.g. `tool_calls`), and the reasoning
+    under each of its names (Qwen3's template reads `reasoning_content`, gpt-oss's
+    `thinking`), whichever one the caller used."""
+    out = {k: v for k, v in dict(message).items() if v is not None}
+    reasoning = next((out[k] for k in _REASONING_FIELDS if out.get(k) is not None), None)
+    if reasoning is not None:
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
+    return out
+
+
 def _raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -171,7 +186,8 @@ class Tokenizer:
             messages: `[{"role": ..., "content": ...}, ...]`.
             add_generation_prompt: append the assistant header so the model answers next.
             tokenize: return token ids (no extra special tokens) instead of the string.
-            **kwargs: extra template variables (e.g. `tools`, `enable_thinking`).
+            **kwargs: extra template variables, passed through as transformers does (e.g.
+                `tools`, Qwen3's `enable_thinking`, Llama 3's `date_string`).
         """
         if self.chat_template is None:
             raise ModelError(f"tokenizer {self.name or '(unnamed)'} has no chat_template")
@@ -179,8 +195,8 @@ class Tokenizer:
         variables.update(tools=None, documents=None)
         variables.update(kwargs)
         text = _compile_template(self.chat_template).render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-            **variables)
+            messages=[_template_message(m) for m in messages],
+            add_generation_prompt=add_generation_prompt, **variables)
         return self.encode(text) if tokenize else text
 
     def __repr__(self) -> str:

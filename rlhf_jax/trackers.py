@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_jax.errors import ConfigError
+from rlhf_jax.paths import METRICS
 
 STEP_KEY = "training/global_step"
 # Which package each optional tracker imports.
@@ -142,7 +143,7 @@ class JsonlTracker(Tracker):
     """One JSON object per line in `<run_dir>/metrics.jsonl`, flushed every step."""
 
     def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
 

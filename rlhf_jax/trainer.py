@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from rlhf_jax import batching, distributed, offload, ppo, roles, sft, tasks
+from rlhf_jax import batching, distributed, offload, paths, ppo, roles, sft, tasks
 from rlhf_jax import train_steps as ts
 from rlhf_jax.checkpoint import Checkpointer
 from rlhf_jax.config import to_dict, to_yaml, validate_batch_arithmetic
@@ -58,8 +58,8 @@ class Experience(NamedTuple):
     advantages: Any = None
     returns: Any = None
     kl: float | None = None  # the batch's KL in the reward (the controller's input)
-    metrics: dict = {}  # noqa: RUF012 (never mutated: stages replace it)
-    times: dict = {}  # noqa: RUF012
+    metrics: dict = {}  # the stages' metrics (never mutated: `with_metrics` makes a new one)
+    times: dict = {}  # seconds per stage
 
     @property
     def response_mask(self) -> np.ndarray:
@@ -103,7 +103,7 @@ class Trainer:
                               "critic's values; set critic.enable=true")
         self.run_dir = Path(cfg.trainer.default_local_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        (self.run_dir / paths.RUN_CONFIG).write_text(to_yaml(cfg))
         self._prepare_synthetic()
         model_cfg = cfg.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
@@ -118,7 +118,7 @@ class Trainer:
         self.trackers = [] if jax.process_index() else make_trackers(
             t.logger, self.run_dir, total_steps=self.total_steps, config=to_dict(cfg),
             project=t.project_name, experiment=t.experiment_name)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints",
+        self.checkpointer = Checkpointer(self.run_dir / paths.CHECKPOINTS,
                                          max_to_keep=t.max_ckpt_to_keep)
         self.recovery = Recovery(cfg, self.checkpointer)
         self.watch = RollbackWatch(t.rollback.max_kl, t.rollback.value_loss_spike)
@@ -150,7 +150,7 @@ class Trainer:
                     opt_state=off[role].to_host(s.opt_state))})
         self._state = state
 
-    def _field(name: str):  # noqa: N805 (a property factory, run at class creation)
+    def _field(name: str):  # a property factory, run once while the class body executes
         def get(self):
             return getattr(self._state, name)
 
@@ -614,12 +614,14 @@ class Trainer:
 
     def _profiler_hook(self, state, info: StepInfo):
         """`trainer.profile_steps`: a `jax.profiler` trace of those steps, in
-        `<run>/profile` (TensorBoard's profile plugin and Perfetto read it)."""
+        `<run>/profile` (TensorBoard's profile plugin and Perfetto read it); a run of
+        consecutive steps is one trace."""
         steps = set(self.cfg.trainer.profile_steps)
-        if info.step in steps and (info.step + 1) not in steps:
+        last = info.final or info.stop
+        if info.step in steps and ((info.step + 1) not in steps or last):
             jax.profiler.stop_trace()
-        if (info.step + 1) in steps and info.step not in steps and not info.final:
-            jax.profiler.start_trace(str(self.run_dir / "profile"))
+        elif (info.step + 1) in steps and not last:
+            jax.profiler.start_trace(str(self.run_dir / paths.PROFILE))
         return state
 
     # --------------------------------------------------------------------------------- run
@@ -659,11 +661,10 @@ class Trainer:
     def run(self) -> list[dict]:
         """Trains to `total_steps` (or the early stop); returns every logged step's metrics."""
         self.history: list[dict] = []
-        if t := self.cfg.trainer.profile_steps:
-            if 1 in t:
-                jax.profiler.start_trace(str(self.run_dir / "profile"))
         try:
             self.start()
+            if self.global_step + 1 in (self.cfg.trainer.profile_steps or ()):
+                jax.profiler.start_trace(str(self.run_dir / paths.PROFILE))  # the hook stops it
             while self.global_step < self.total_steps:
                 batch = self._next_batch()
                 state = self.state._replace(step=self.global_step + 1,
@@ -689,5 +690,5 @@ def train(cfg) -> list[dict]:
     trainer = Trainer(cfg)
     history = trainer.run()
     print(f"done: {trainer.global_step} steps in {time.perf_counter() - start:.1f}s, "
-          f"metrics in {trainer.run_dir / 'metrics.jsonl'}")
+          f"metrics in {trainer.run_dir / paths.METRICS}")
     return history

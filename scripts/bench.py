@@ -31,7 +31,7 @@ import pkgutil
 import sys
 import time
 
-NOT_BENCHMARKS = {"common", "peers"}
+NOT_BENCHMARKS = {"common"}
 
 
 def available() -> list[str]:

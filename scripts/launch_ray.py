@@ -85,12 +85,102 @@ def _actor_env(args) -> dict[str, str]:
     return env
 
 
+# ------------------------------------------------------------------------- the per-host worker
+# Defined in the launcher, so the library never imports the trainer from `distributed`. Ray
+# ships an actor class of `__main__` to its workers by value (cloudpickle): the class and the
+# helpers below travel with it; what they import (rlhf_jax, jax, ray) comes from each node's
+# own environment.
+
+FAULT_ENV = "RLHF_JAX_TEST_FAULT"  # tests only: "<process>:<step>:<raise|exit>"
+
+
+def _parse_fault(spec: str) -> tuple[int, int, str]:
+    from rlhf_jax.distributed import DistributedError
+
+    try:
+        process, step, mode = spec.split(":")
+        process, step = int(process), int(step)
+    except ValueError:
+        raise DistributedError(f"{FAULT_ENV}={spec!r} is not <process>:<step>:<raise|exit>") \
+            from None
+    if mode not in ("raise", "exit"):
+        raise DistributedError(f"{FAULT_ENV}={spec!r}: mode must be 'raise' or 'exit'")
+    return process, step, mode
+
+
+def _fire(process: int, step: int, mode: str) -> None:
+    if mode == "exit":
+        print(f"injected fault: process {process} exits at step {step}", flush=True)
+        os._exit(3)
+    raise RuntimeError(f"injected fault: process {process} fails at step {step}")
+
+
+def _fault_hook(spec: str):
+    """The test fault of `FAULT_ENV`: process p fails (raises, or exits at once) after step s;
+    step 0 is right after joining the job, before the trainer is built. None without it."""
+    if not spec:
+        return None
+    process, step, mode = _parse_fault(spec)
+    import jax
+
+    if jax.process_index() == process and step == 0:
+        _fire(process, step, mode)
+
+    def hook(trainer, metrics):
+        if jax.process_index() == process and trainer.global_step == step:
+            _fire(process, step, mode)
+        return metrics
+
+    return hook
+
+
+class HostWorker:
+    """One host's process of a multi-host run (a Ray actor, one per placement bundle)."""
+
+    def coordinator_address(self, port: int = 0) -> str:
+        """`ip:port` on this node for jax's coordinator service (a free port if 0)."""
+        import socket
+
+        import ray
+
+        if not port:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def run(self, coordinator_address: str, num_processes: int, process_id: int,
+            config: str, overrides: list[str], cpu_devices: int | None = None,
+            cwd: str | None = None) -> dict:
+        """Joins the job, trains `config` with `overrides`; returns a summary of the run.
+
+        `cwd` (the launcher's directory) is where relative paths in the overrides point, on
+        nodes that have it.
+        """
+        if cwd and os.path.isdir(cwd):
+            os.chdir(cwd)
+        from rlhf_jax.distributed import initialize
+
+        initialize(coordinator_address, num_processes, process_id, cpu_devices=cpu_devices)
+        import jax
+
+        from rlhf_jax.trainer import Trainer
+
+        cfg = load_config(config, list(overrides))
+        hook = _fault_hook(os.environ.get(FAULT_ENV, ""))
+        trainer = Trainer(cfg)
+        if hook is not None:
+            trainer.fault_hook = hook
+        history = trainer.run()
+        return {"process": jax.process_index(), "processes": jax.process_count(),
+                "devices": jax.device_count(), "steps": trainer.global_step,
+                "run_dir": str(trainer.run_dir), "last": history[-1] if history else {}}
+
+
 def launch(args) -> int:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from rlhf_jax.distributed import HostWorker
 
     n = args.num_hosts
     extra = json.loads(args.resources_per_host)

@@ -16,6 +16,8 @@ import math
 import sys
 from pathlib import Path
 
+from rlhf_jax.paths import METRICS
+
 STEP = "training/global_step"
 ROLLBACK_EVENTS = ("training/rollbacks",)
 
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="output PNG (default: RUN_DIR/dashboard.png)")
     args = parser.parse_args(argv)
-    path = args.run_dir / "metrics.jsonl"
+    path = args.run_dir / METRICS
     if not path.is_file():
         print(f"error: {path} not found (run with trainer.logger including 'jsonl')",
               file=sys.stderr)

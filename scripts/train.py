@@ -11,12 +11,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from pathlib import Path
 
 from rlhf_jax.config import load_config, to_yaml
 from rlhf_jax.errors import UserError
-
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_tiny_cpu.yaml"
+from rlhf_jax.paths import DEFAULT_CONFIG
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -220,21 +220,51 @@ def test_decode_runs_in_the_scale_dtype():
 
 
 def test_ppo_builds_the_scale_iteration(monkeypatch):
-    """`ppo.run(scale="0.5b")` builds its iteration from the scale (model, dtype, sizes)."""
-    seen = {}
+    """`ppo.run(scale="0.5b")` builds its trainers' config from the scale (model, dtype,
+    sizes)."""
+    seen = []
 
     class Built(Exception):
         pass
 
-    def record(**kw):
-        seen.update(kw)
+    def record(cfg):
+        seen.append(cfg)
         raise Built
 
-    monkeypatch.setattr(ppo, "PPOIteration", record)
+    monkeypatch.setattr(ppo, "Run", record)
     with pytest.raises(Built):
         ppo.run(scale="0.5b")
-    assert seen["dtype"] == "bfloat16" and seen["model_cfg"].vocab_size == 151936
-    assert (seen["batch"], seen["prompt_len"], seen["new_tokens"]) == (64, 128, 128)
+    cfg = seen[0]
+    model = cfg.actor_rollout_ref.model
+    assert model.compute_dtype == "bfloat16" and model.override_config["vocab_size"] == 151936
+    d = cfg.data
+    assert (d.train_batch_size, d.max_prompt_length, d.max_response_length) == (64, 128, 128)
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_device == 16
+
+
+def test_ppo_workload_config_is_workload_md(tmp_path):
+    """`ppo_workload.yaml` on the benchmark's files: WORKLOAD.md's settings, and a tokenizer
+    whose decoded ids give `even_fraction` its reward, with EOS one past the vocabulary."""
+    from rlhf_jax.benchmarks.common import workload_prompts
+    from rlhf_jax.rewards import load_custom_reward_fn
+    from rlhf_jax.tokenizer import load_tokenizer
+
+    cfg = ppo.workload_config(tmp_path, workload_prompts(1))
+    arr, alg = cfg.actor_rollout_ref, cfg.algorithm
+    assert cfg.mesh.preset == "single" and arr.model.compute_dtype == "float32"
+    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length,
+            cfg.data.max_response_length) == (32, 64, 64)
+    assert (arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_device) == (32, 8)
+    assert (alg.gamma, alg.lam, alg.kl_ctrl.type, alg.kl_ctrl.kl_coef) == (1.0, 0.95, "fixed",
+                                                                           0.001)
+    assert (arr.actor.optim.lr, cfg.critic.optim.lr) == (1e-6, 1e-5)
+    assert arr.actor.optim.weight_decay == cfg.critic.optim.weight_decay == 0.0
+    tok = load_tokenizer(arr.model.path)
+    assert tok.vocab_size == 1024 and tok.eos_token_ids == (1024,) and tok.pad_token_id == 1024
+    fn = load_custom_reward_fn(cfg.reward.custom_reward_function.path,
+                               cfg.reward.custom_reward_function.name)
+    text = tok.decode([2, 7, 1000, 9])
+    assert fn(data_source="", solution_str=text, ground_truth="", extra_info={}) == 0.5
 
 
 def test_a_failed_benchmark_is_one_line_and_the_others_still_print(monkeypatch, capsys):

@@ -36,7 +36,6 @@ def test_a_packed_row_gives_what_the_padded_rows_give(kind):
     model, params = _model_and_params(kind)
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 32, 9), rng.integers(0, 32, 6)  # prompt 4 + response 5 / 3 + 3
-    ra, rb = 5, 3
     # Padded: prompts left-padded to 4, responses right-padded to 5.
     ids = np.zeros((2, 9), np.int32)
     mask = np.zeros((2, 9), np.int32)
@@ -169,12 +168,16 @@ def test_make_experience_reads_the_state_and_changes_nothing(tmp_path):
 @pytest.mark.parametrize("estimator", adv_estimator_names())
 def test_every_registered_estimator_trains_two_steps(tmp_path, estimator):
     needs_critic = estimator == "gae"
+    profile = estimator == "grpo"  # one of them also traces step 2 (trainer.profile_steps)
     run = tiny(tmp_path, **_FAST, **{
         "algorithm.adv_estimator": estimator, "critic.enable": needs_critic,
-        "actor_rollout_ref.rollout.n": 2, "trainer.total_training_steps": 2})
+        "actor_rollout_ref.rollout.n": 2, "trainer.total_training_steps": 2,
+        "trainer.profile_steps": "[2]" if profile else "null"})
     trainer = Trainer(run)
     history = trainer.run()
     assert len(history) == 2 and trainer.global_step == 2
+    if profile:
+        assert list((tmp_path / "run/profile").rglob("*.xplane.pb"))
     for m in history:
         assert np.isfinite(m["actor/pg_loss"]) and np.isfinite(m["critic/advantages/mean"])
     if estimator == "remax":

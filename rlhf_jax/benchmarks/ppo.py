@@ -1,20 +1,26 @@
-"""PPO benchmark: one iteration of `/work/shared/bench/WORKLOAD.md`, stage by stage.
+"""PPO benchmark: one iteration of `/work/shared/bench/WORKLOAD.md`, timed on the real trainer.
 
-The iteration is the trainer's (`Trainer.step`), built from the same pieces on a `single`
-(1,1,1) mesh: engine rollout (EOS disabled: eos id 1024, one past the vocabulary) -> reward
-(fraction of even response ids, on the last token) -> old log-probs -> ref log-probs (frozen
+`rlhf_jax.trainer.Trainer`, built from `ppo_workload.yaml` (workload 1 as a config, on the
+`single` mesh), runs `Trainer.step` on each batch: engine rollout (EOS disabled: the EOS and pad
+id is 1024, one past the vocabulary) -> reward (fraction of even response ids, on the last
+token, through the trainer's custom-reward path) -> old log-probs -> ref log-probs (frozen
 initial policy) -> adv (k1 KL 0.001 in the reward, GAE gamma 1 lam 0.95) -> critic update ->
 actor update (one mini-batch of 32, micro-batch 8, AdamW, no clipping, no weight decay) ->
-update_weights (train -> generate layout). 2 warm-up + 5 measured iterations, a fresh batch
-of prompts each; every figure is a median over the measured ones. With one critic update an
-iteration, the trainer's default (`critic.values_in_update`) takes the rollout's values from
-that update's forward pass (GAE's returns computed in the same call, the advantages whitened
-after it), so there is no separate `values` stage; `values_in_update=False` runs verl's
-separate values pass.
+update_weights (train -> generate layout). The files the trainer reads are written into a
+temporary directory: the prompts as parquet (read in file order, batch k = the loader's
+batch k), and a model directory with the workload's config.json (no weights: random init)
+and a tokenizer whose tokens are named by their ids (so `even_fraction` reads the ids back
+from the decoded text) with EOS 1024 in generation_config.json. 2 warm-up + 5 measured
+iterations, a fresh batch of prompts each; every figure is a median over the measured ones.
+With one critic update an iteration, the trainer's default (`critic.values_in_update`) takes
+the rollout's values from that update's forward pass, so there is no separate `values` stage;
+`values_in_update=False` runs verl's separate values pass.
 
-- `ppo.seconds_per_iteration`, `ppo.tokens_per_s` (= 32 * 128 / median seconds).
-- `ppo.stage.<name>`: median seconds of each stage that runs (they block, as the
-  trainer's do).
+- `ppo.seconds_per_iteration`, `ppo.tokens_per_s` (= 32 * 128 / median seconds): wall
+  seconds of `Trainer.step`, until the new actor and critic states are ready.
+- `ppo.stage.<name>`: median seconds of each of the trainer's `timing_s/<name>` stages that
+  run (gen, reward, old_log_prob, ref, values, adv, update_critic, update_actor,
+  update_weights); `ppo.stage.other` is the rest of the iteration (the step's metrics).
 - `ppo.flop_bound_ratio`: model FLOPs of the iteration / (measured matmul peak x seconds);
   the peak (`mfu.matmul_peak_flops`, best of 5 jitted 1024 x 1024 f32 matmuls) is sampled
   after every measured iteration and the median taken. Target: >= 0.7 (~1.5x TRL).
@@ -26,24 +32,25 @@ separate values pass.
   there (idle machine, 2026-12-02), not in this run.
 - With `trl_python` (`scripts/bench.py ppo --trl-python PYTHON`, the Python of an environment
   with torch, transformers and trl 1.12): TRL's PPOTrainer on the same workload
-  (`peers/trl_ppo.py`, a subprocess), in turns with this trainer: warm-up, then `rounds` times
-  one TRL run (2 warm-up + `repeats` iterations) and `repeats` iterations here. `ppo.trl.*` are
-  TRL's figures (medians over every measured TRL iteration), `ppo.ratio_to_trl` our tokens/s
-  over TRL's, both from this run. Target: >= 1.5.
+  (`benchmarks/peers/trl_ppo.py` at the repository's top level, a subprocess), in turns with
+  this trainer: warm-up, then `rounds` times one TRL run (2 warm-up + `repeats` iterations)
+  and `repeats` iterations here. `ppo.trl.*` are TRL's figures (medians over every measured
+  TRL iteration), `ppo.ratio_to_trl` our tokens/s over TRL's, both from this run.
+  Target: >= 1.5.
 - `ppo.bypass.*`: the same iteration with verl's bypass mode
-  (`algorithm.rollout_correction.bypass_mode=true`): the old log-probs are the engine's,
-  taken while sampling, as TRL takes them; no old_log_prob stage. Run right after each
-  measured iteration on the same prompts: `seconds_per_iteration`, `tokens_per_s` and,
-  with TRL, `ratio_to_trl`. The main figures above keep verl's default (recomputed).
+  (`algorithm.rollout_correction.bypass_mode=true`, a second `Trainer`): the old log-probs
+  are the engine's, taken while sampling, as TRL takes them; no old_log_prob stage. Run right
+  after each measured iteration on the same prompts: `seconds_per_iteration`, `tokens_per_s`
+  and, with TRL, `ratio_to_trl`. The main figures above keep verl's default (recomputed).
 - `ppo.cpu_steal_fraction`: the share of CPU time the hypervisor took during the measured
   iterations (Linux `/proc/stat`; absent elsewhere): a slow run of a shared VM shows here.
 - `ppo.compiles_measured`: XLA compilations during the measured iterations (0 if every step
   compiles once).
 
 At `scale="0.5b"` (for one accelerator): the same iteration on the Qwen2.5-0.5B architecture
-with bfloat16 compute, 64 prompts of 128 tokens, 128 new tokens each, micro-batch 16, against a
-bfloat16 8192^3 matmul peak, 1 warm-up and 3 measured iterations. TRL's run belongs to the
-workload scale only.
+(`actor_rollout_ref.model.override_config`) with bfloat16 compute, 64 prompts of 128 tokens,
+128 new tokens each, micro-batch 16, against a bfloat16 8192^3 matmul peak, 1 warm-up and 3
+measured iterations. TRL's run belongs to the workload scale only.
 """
 
 from __future__ import annotations
@@ -53,34 +60,45 @@ import json
 import pathlib
 import statistics
 import subprocess
+import tempfile
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer, models, pre_tokenizers
 
-from rlhf_jax import batching, ppo
-from rlhf_jax import train_steps as ts
 from rlhf_jax.benchmarks.common import (
     SMALL_MODEL,
+    WORKLOAD_MODEL,
     cpu_ticks,
-    eos_free_sampling,
     get_scale,
     peak_rss_mb,
-    workload_model_config,
     workload_prompts,
 )
-from rlhf_jax.benchmarks.mfu import FAST_COMPILE, CompileCounter, matmul_peak_flops
+from rlhf_jax.benchmarks.mfu import CompileCounter, matmul_peak_flops
+from rlhf_jax.config import load_config
 from rlhf_jax.errors import UserError
-from rlhf_jax.mesh import load_mesh_spec, make_mesh
-from rlhf_jax.models import Model
-from rlhf_jax.rollout import Engine, generate_sequences, reshard
+from rlhf_jax.trainer import Trainer
 
 TRL_TOKENS_PER_S = 1368.0  # WORKLOAD.md, TRL 1.12 PPO on the idle 2-core machine
-TRL_SCRIPT = pathlib.Path(__file__).parent / "peers" / "trl_ppo.py"
-TRL_WARMUP = 2  # the warm-up iterations of every TRL run (peers/trl_ppo.py)
+TRL_SCRIPT = pathlib.Path(__file__).parents[2] / "benchmarks" / "peers" / "trl_ppo.py"
+TRL_WARMUP = 2  # the warm-up iterations of every TRL run (benchmarks/peers/trl_ppo.py)
+WORKLOAD_CONFIG = pathlib.Path(__file__).with_name("ppo_workload.yaml")
 STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic",
-          "update_actor", "update_weights")
+          "update_actor", "update_weights")  # the trainer's timing_s/<stage>, in order
+DATA_SOURCE = "bench/even_fraction"
+
+
+def even_fraction(data_source, solution_str: str, ground_truth, extra_info) -> float:
+    """WORKLOAD.md's reward (`reward.custom_reward_function`): the fraction of even ids in
+    the response. The benchmark's tokenizer names every token by its id, so the decoded
+    response is its ids separated by spaces."""
+    ids = solution_str.split()
+    return sum(int(i) % 2 == 0 for i in ids) / max(len(ids), 1)
 
 
 def workload_flops(model_cfg, batch: int, seq_len: int) -> float:
@@ -92,184 +110,106 @@ def workload_flops(model_cfg, batch: int, seq_len: int) -> float:
     return forward * (1 + 3) + 3 * forward * 2  # rollout, old/ref/values, actor+critic
 
 
-class Stopwatch:
-    """Seconds per named stage of one iteration."""
-
-    def __init__(self):
-        self.times: dict[str, float] = {}
-
-    def __call__(self, name: str, fn, *args):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
-        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
-        return out
+# ------------------------------------------------------------------- the trainer's inputs
 
 
-class PPOIteration:
-    """The actor, critic, reference and rollout engine of the workload, and one `step`.
+def write_model_dir(path: pathlib.Path, vocab_size: int) -> pathlib.Path:
+    """An HF model directory without weights: WORKLOAD.md's config.json and a word-level
+    tokenizer of `vocab_size` tokens named by their ids ("0", "1", ...), whose only EOS (and
+    so the pad id) is `vocab_size`, one past the vocabulary: never sampled, never embedded."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(WORKLOAD_MODEL))
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(vocab_size)}, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab_size}))
+    return path
+
+
+def write_prompts(path: pathlib.Path, prompts: np.ndarray) -> pathlib.Path:
+    """`[iterations, B, P]` prompt ids as verl-schema parquet rows, batch after batch: a
+    loader in file order gives batch k as `prompts[k]`."""
+    rows = [{"data_source": DATA_SOURCE,
+             "prompt": [{"role": "user", "content": " ".join(map(str, ids))}],
+             "reward_model": {"style": "rule", "ground_truth": ""}}
+            for ids in prompts.reshape(-1, prompts.shape[-1]).tolist()]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def model_overrides(model: dict) -> dict:
+    """The fields of the HF config `model` that differ from WORKLOAD.md's model."""
+    return {k: v for k, v in model.items() if WORKLOAD_MODEL.get(k) != v}
+
+
+def workload_config(workdir: pathlib.Path, prompts: np.ndarray, *, model: dict | None = None,
+                    dtype: str = "float32", micro_batch: int | None = None,
+                    overrides: Sequence[str] = ()):
+    """The `Config` of `ppo_workload.yaml` on the files it needs, written into `workdir`.
 
     Args:
-      batch, prompt_len, new_tokens: prompts per iteration, their length, response length.
-      micro_batch: micro-batch rows (gradient accumulation = batch / micro_batch); also the
-        chunk of the log-prob / value passes, as in the trainer.
-      model_cfg: the architecture (default: WORKLOAD.md's); dtype: its compute dtype.
-      steps_per_call, max_prefill_batch: forwarded to `generate_sequences` (None: its
-        defaults, which the trainer uses).
-      compiler_options: XLA options of every jitted step (the smoke test compiles faster).
-      values_in_update: the critic's update makes the rollout's values (the trainer's
-        `critic.values_in_update`, default); False: a separate values pass, as verl.
+      prompts: `[iterations, B, P]` prompt ids; B and P set the batch and prompt length when
+        they differ from the workload's.
+      model: the HF config of the model (None: WORKLOAD.md's); a different one goes in as
+        `actor_rollout_ref.model.override_config`. dtype: its compute dtype.
+      micro_batch: the micro-batch rows per device (None: the workload's 8).
+      overrides: more `key=value` config overrides, applied last (e.g. the response length,
+        `algorithm.rollout_correction.bypass_mode=true`).
     """
+    _, b, p = prompts.shape
+    model = model or WORKLOAD_MODEL
+    model_dir = write_model_dir(workdir / "model", model["vocab_size"])
+    data = workdir / "prompts.parquet"
+    if not data.exists():
+        write_prompts(data, prompts)
+    arr = "actor_rollout_ref"
+    items = [f"data.train_files=[{data}]", f"{arr}.model.path={model_dir}",
+             f"{arr}.model.compute_dtype={dtype}",
+             f"{arr}.model.override_config={json.dumps(model_overrides(model))}",
+             f"trainer.default_local_dir={workdir / 'run'}"]
+    if b != 32 or p != 64:
+        items += [f"data.train_batch_size={b}", f"{arr}.actor.ppo_mini_batch_size={b}",
+                  f"{arr}.rollout.max_concurrent_decodes={b}", f"data.max_prompt_length={p}",
+                  f"{arr}.rollout.prefill_buckets=[{p}]"]
+    if micro_batch is not None:
+        items += [f"{arr}.actor.ppo_micro_batch_size_per_device={micro_batch}",
+                  f"critic.ppo_micro_batch_size_per_device={micro_batch}"]
+    return load_config(WORKLOAD_CONFIG, [*items, *overrides])
 
-    def __init__(self, *, batch: int = 32, prompt_len: int = 64, new_tokens: int = 64,
-                 micro_batch: int = 8, model_cfg=None, dtype: str = "float32",
-                 steps_per_call: int | None = None,
-                 max_prefill_batch: int | None = None, seed: int = 0,
-                 compiler_options: dict | None = None, values_in_update: bool = True):
-        self.spec = load_mesh_spec("single")
-        self.mesh = make_mesh(self.spec)
-        rules = self.spec.train_rules
-        cfg = model_cfg or workload_model_config()
-        self.batch, self.micro = batch, micro_batch
-        self.values_in_update = values_in_update
-        self.jit_kw = {"compiler_options": compiler_options} if compiler_options else {}
-        self.gen_kw = {k: v for k, v in (("steps_per_call", steps_per_call),
-                                          ("max_prefill_batch", max_prefill_batch))
-                       if v is not None}
-        rng = jax.random.key(seed)
-        self.actor_model = Model(cfg, dtype=dtype).with_layout(self.mesh, rules)
-        self.critic_model = Model(cfg, "value", dtype=dtype).with_layout(self.mesh, rules)
-        no_clip = dict(weight_decay=0.0, grad_clip=0.0)
-        self.actor_optim = ts.OptimConfig(lr=1e-6, **no_clip)
-        self.critic_optim = ts.OptimConfig(lr=1e-5, **no_clip)
-        params = self.actor_model.init(rng, self.mesh, rules)
-        self.actor = ts.init_state(params, ts.make_optimizer(self.actor_optim))
-        self.ref_params = jax.tree.map(lambda x: x.copy(), params)
-        critic_params = self.critic_model.init(jax.random.fold_in(rng, 1), self.mesh, rules)
-        self.critic = ts.init_state(critic_params, ts.make_optimizer(self.critic_optim))
-        gen_rules = self.spec.generate_rules
-        self.gen_shardings = self.actor_model.shardings(self.mesh, gen_rules)
-        self.gen_params = reshard(self.actor.params, self.gen_shardings)
-        self.sampling = eos_free_sampling(cfg, new_tokens)
-        self.engine = Engine(self.actor_model.with_layout(self.mesh, gen_rules), self.mesh,
-                             gen_rules, max_concurrent_decodes=batch,
-                             max_prefill_length=prompt_len, max_decode_length=new_tokens,
-                             prefill_buckets=(prompt_len,), sampling=self.sampling,
-                             compiler_options=compiler_options)
-        self._compile_steps()
-        self.batch_axes = dict(rules).get("batch", ())
-        self.seed, self.step_count = seed, 0
 
-    def _compile_steps(self):
-        """The trainer's jitted steps (`Trainer._compile_steps`) for this workload."""
-        actor_sh = jax.tree.map(lambda x: x.sharding, self.actor)
-        critic_sh = jax.tree.map(lambda x: x.sharding, self.critic)
-        self.actor_update = jax.jit(
-            functools.partial(ts.actor_update, model=self.actor_model,
-                              loss=ts.ActorLoss(clip_ratio=0.2), optim=self.actor_optim),
-            in_shardings=(actor_sh, None), out_shardings=(actor_sh, None), donate_argnums=0,
-            **self.jit_kw)
-        critic_kw = dict(model=self.critic_model, loss=ts.CriticLoss(0.2, "token-mean"),
-                         optim=self.critic_optim)
-        self.critic_update = jax.jit(
-            functools.partial(ts.critic_update, **critic_kw),
-            in_shardings=(critic_sh, None), out_shardings=(critic_sh, None), donate_argnums=0,
-            **self.jit_kw)
-        self.critic_update_from_rollout = jax.jit(
-            functools.partial(ts.critic_update_from_rollout, gamma=1.0, lam=0.95, **critic_kw),
-            in_shardings=(critic_sh, None), out_shardings=(critic_sh, None, None),
-            donate_argnums=0, **self.jit_kw)
-        self.log_probs = jax.jit(
-            functools.partial(ts.log_probs_step, model=self.actor_model, temperature=1.0),
-            in_shardings=(actor_sh.params, None), **self.jit_kw)
-        self.values = jax.jit(functools.partial(ts.values_step, model=self.critic_model),
-                              in_shardings=(critic_sh.params, None), **self.jit_kw)
+class Run:
+    """One `Trainer` and its run state, stepped by the benchmark: `step(k)` trains on the
+    loader's batch k (file order) as training step `state.step + 1`."""
 
-    def _arranged(self, order, seqs_host: ts.Sequences, extra: dict):
-        """`[U, K, m, ...]` device batch plus token / sequence counts (`Trainer._arranged`)."""
-        host = jax.tree.map(lambda x: x[order], (seqs_host, extra))
-        mask = host[0].response_mask
-        token_count = jnp.asarray(mask.sum(axis=(1, 2, 3)).astype(np.float32))
-        seq_count = jnp.asarray((mask.sum(-1) > 0).sum(axis=(1, 2)).astype(np.float32))
-        dev = batching.put(host, self.mesh, self.batch_axes, lead=2)
-        return dev, token_count, seq_count
+    def __init__(self, cfg):
+        self.trainer = Trainer(cfg)
+        self.state = self.trainer.state
 
-    def step(self, prompts_bp: np.ndarray, bypass: bool = False) -> dict[str, float]:
-        """One PPO iteration on `[B, P]` prompts; returns seconds per stage and `step`.
+    def step(self, k: int) -> dict[str, float]:
+        """Seconds of each `timing_s/<stage>` and of the whole step (`step`), which ends when
+        the new actor and critic states are ready."""
+        batch = self.trainer.train_loader.batch_at(0, k)
+        state = self.state._replace(step=self.state.step + 1)
+        t0 = time.perf_counter()
+        state, metrics = self.trainer.step(batch, state)
+        jax.block_until_ready((state.actor, state.critic))
+        seconds = time.perf_counter() - t0
+        self.state = state  # the step donated the old actor and critic states
+        out = {name.removeprefix("timing_s/"): v for name, v in metrics.items()
+               if name.startswith("timing_s/") and name != "timing_s/step"}
+        return {**out, "step": seconds}
 
-        `bypass`: verl's `algorithm.rollout_correction.bypass_mode`, the trainer's option
-        that takes the engine's log-probs as the old ones (no old_log_prob stage)."""
-        watch, t0 = Stopwatch(), time.perf_counter()
-        seed = jax.random.fold_in(jax.random.key(self.seed + 1), self.step_count)
-        prompt_mask = np.ones_like(prompts_bp)
-        ro = watch("gen", lambda: generate_sequences(
-            self.engine, self.gen_params, prompts_bp, prompt_mask, n=1, sampling=self.sampling,
-            rng=seed, **self.gen_kw))
-        scores = watch("reward", lambda: np.mean(ro.responses % 2 == 0, axis=-1).astype(
-            np.float32))
-        seqs_host = ts.Sequences(
-            np.concatenate([prompts_bp, ro.responses], 1).astype(np.int32),
-            np.concatenate([prompt_mask, ro.response_mask], 1).astype(np.int32),
-            ro.responses.astype(np.int32), ro.response_mask.astype(np.int32))
-        seqs = batching.put(jax.tree.map(lambda x: batching.chunked(x, self.micro), seqs_host),
-                            self.mesh, self.batch_axes, lead=1)
-        if bypass:
-            old = jnp.asarray(ro.rollout_log_probs) * jnp.asarray(ro.response_mask, jnp.float32)
-        else:
-            old = watch("old_log_prob", lambda: batching.unchunk(
-                self.log_probs(self.actor.params, seqs)))
-        ref = watch("ref", lambda: batching.unchunk(self.log_probs(self.ref_params, seqs)))
-        values = None if self.values_in_update else watch("values", lambda: batching.unchunk(
-            self.values(self.critic.params, seqs)))
-        mask = jnp.asarray(ro.response_mask, jnp.float32)
+    def close(self):
+        self.trainer.checkpointer.close()
 
-        def adv_stage():  # the KL in the reward, and GAE where the values are already here
-            token_scores = ppo.token_level_scores(jnp.asarray(scores), mask)
-            rewards, _ = ppo.kl_in_reward(token_scores, old, ref, mask, 0.001, kind="kl")
-            if values is None:  # the critic's update takes the rewards
-                return batching.fetch(rewards), None, None
-            adv, returns = ppo.advantages(rewards, values, mask,
-                                          jnp.arange(self.batch, dtype=jnp.int32),
-                                          estimator="gae", gamma=1.0, lam=0.95)
-            return None, *batching.fetch((adv, returns))
 
-        rewards, adv, returns = watch("adv", adv_stage)
-        host = batching.fetch({"old": old, "ref": ref})
-        plan = batching.Plan(self.batch, self.batch, self.micro, 1, True)
-
-        def critic_stage():
-            order = plan.order(self.seed * 7919 + self.step_count)
-            if values is None:
-                (s, ex), tok, sq = self._arranged(order, seqs_host, {"rewards": rewards})
-                self.critic, m, outs = self.critic_update_from_rollout(
-                    self.critic, ts.CriticRolloutBatch(s, ex["rewards"], tok, sq))
-                jax.device_get(m)
-                return [batching.unarrange(x, order) for x in batching.fetch(outs)]
-            extra = {"values": batching.fetch(values), "returns": returns}
-            (s, ex), tok, sq = self._arranged(order, seqs_host, extra)
-            self.critic, m = self.critic_update(
-                self.critic, ts.CriticBatch(s, ex["values"], ex["returns"], tok, sq))
-            return jax.device_get(m)
-
-        def actor_stage():
-            order = plan.order(self.seed * 7919 + self.step_count + 1)
-            extra = {"old": host["old"], "adv": adv, "ref": host["ref"]}
-            (s, ex), tok, sq = self._arranged(order, seqs_host, extra)
-            self.actor, m = self.actor_update(
-                self.actor, ts.ActorBatch(s, ex["old"], ex["adv"], ex["ref"], tok, sq))
-            return jax.device_get(m)
-
-        critic_out = watch("update_critic", critic_stage)
-        if values is None:  # GAE's advantages, whitened over the whole batch
-            adv = watch("adv", lambda: batching.fetch(ppo.whiten(critic_out[1], mask)))
-        watch("update_actor", actor_stage)
-        self.gen_params = watch("update_weights",
-                                lambda: reshard(self.actor.params, self.gen_shardings))
-        self.step_count += 1
-        return {**watch.times, "step": time.perf_counter() - t0}
+# ------------------------------------------------------------------------------------- TRL
 
 
 def run_trl(python: str, *args: str) -> dict:
-    """The JSON object of `peers/trl_ppo.py *args` run by `python`; a `UserError` naming
+    """The JSON object of `TRL_SCRIPT *args` run by `python`; a `UserError` naming
     `python` if it cannot run, fails, or its run breaks one of the workload's checks."""
     cmd = [python, str(TRL_SCRIPT), *args]
     try:
@@ -314,22 +254,26 @@ def _trl_figures(runs: list[dict], tokens: int) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------- run
+
 SIZES = {  # per scale: prompts per iteration, their length, new tokens, micro-batch rows
     "workload": dict(batch=32, prompt_len=64, new_tokens=64, micro_batch=8),
     "0.5b": dict(batch=64, prompt_len=128, new_tokens=128, micro_batch=16),
 }
+SMALL = dict(batch=4, prompt_len=8, new_tokens=8, micro_batch=2)  # the smoke test's sizes
 ITERATIONS = {"workload": (2, 5), "0.5b": (1, 3)}  # per scale: (warm-up, measured)
 
 
 def run(*, small: bool = False, scale="workload", warmup: int | None = None,
         repeats: int | None = None, trl_python: str | None = None, rounds: int = 2,
-        **overrides) -> dict:
+        values_in_update: bool = True, overrides: Sequence[str] = ()) -> dict:
     """The WORKLOAD.md iteration, or with `small=True` a shrunken one for the smoke test.
 
     `scale`: `workload` (WORKLOAD.md) or `0.5b` (see the module doc). `trl_python`: also run
     TRL's PPO on the workload, `rounds` times, in turns with this trainer's measured
-    iterations (see the module doc). `overrides` go to `PPOIteration` (e.g.
-    `steps_per_call=64` to try a rollout setting).
+    iterations (see the module doc). `values_in_update`: `critic.values_in_update`.
+    `overrides`: more `key=value` config overrides of both trainers (e.g.
+    `actor_rollout_ref.rollout.max_concurrent_decodes=16` to try a rollout setting).
     """
     scale = get_scale(scale)
     warmup = ITERATIONS[scale.name][0] if warmup is None else warmup
@@ -339,31 +283,42 @@ def run(*, small: bool = False, scale="workload", warmup: int | None = None,
             raise UserError(f"--trl-python runs TRL on WORKLOAD.md's model: it does not go "
                             f"with --scale {scale.name}")
         check_trl(trl_python, TRL_SCRIPT)  # a broken environment fails before any work
-    kw = dict(SIZES[scale.name], dtype=scale.dtype, model_cfg=scale.model_config())
+    sizes, model = SIZES[scale.name], scale.model or WORKLOAD_MODEL
     if small:
-        from rlhf_jax.models import ModelConfig
-
-        kw = dict(batch=4, prompt_len=8, new_tokens=8, micro_batch=2,
-                  model_cfg=ModelConfig.from_hf(SMALL_MODEL), compiler_options=FAST_COMPILE)
-        warmup, repeats = 1, 1
-    kw.update(overrides)
-    it = PPOIteration(**kw)
+        sizes, model, warmup, repeats = SMALL, SMALL_MODEL, 1, 1
     rounds = rounds if trl_python is not None else 1
-    prompts = workload_prompts(warmup + repeats * rounds, kw["batch"], kw["prompt_len"])
-    if small:
-        prompts = prompts % it.actor_model.cfg.vocab_size
+    prompts = workload_prompts(warmup + repeats * rounds, sizes["batch"], sizes["prompt_len"])
+    prompts = prompts % model["vocab_size"]
+    overrides = [f"data.max_response_length={sizes['new_tokens']}",
+                 f"critic.values_in_update={str(values_in_update).lower()}", *overrides]
+    with tempfile.TemporaryDirectory(prefix="rlhf_jax_bench_ppo_") as tmp:
+        kw = dict(model=model, dtype=scale.dtype, micro_batch=sizes["micro_batch"])
+        main = Run(workload_config(pathlib.Path(tmp), prompts, **kw, overrides=overrides))
+        bypass = Run(workload_config(pathlib.Path(tmp, "bypass"), prompts, **kw, overrides=[
+            *overrides, "algorithm.rollout_correction.bypass_mode=true"]))
+        try:
+            out = _measure(main, bypass, warmup, repeats, rounds, trl_python, scale, small)
+        finally:
+            main.close()
+            bypass.close()
+    return out
+
+
+def _measure(main: Run, bypass: Run, warmup: int, repeats: int, rounds: int,
+             trl_python: str | None, scale, small: bool) -> dict:
     counter = CompileCounter()
     records, bypassed, peaks, trl_runs, steal = [], [], [], [], [0, 0]
     for i in range(warmup):
-        it.step(prompts[i])
-        it.step(prompts[i], bypass=True)
+        main.step(i)
+        bypass.step(i)
     for r in range(rounds):
         if trl_python is not None:
             trl_runs.append(run_trl(trl_python, "--iterations", str(TRL_WARMUP + repeats)))
         for j in range(repeats):
+            k = warmup + r * repeats + j
             before = cpu_ticks()
             with counter.counting(True):
-                records.append(it.step(prompts[warmup + r * repeats + j]))
+                records.append(main.step(k))
             after = cpu_ticks()
             if before and after:
                 steal = [steal[0] + after[0] - before[0], steal[1] + after[1] - before[1]]
@@ -372,12 +327,15 @@ def run(*, small: bool = False, scale="workload", warmup: int | None = None,
                                            repeats=3 if small else 5,
                                            dtype=jnp.dtype(scale.dtype)))
             with counter.counting(True):
-                bypassed.append(it.step(prompts[warmup + r * repeats + j], bypass=True))
+                bypassed.append(bypass.step(k))
+    cfg = main.trainer.cfg
+    batch, seq_len = cfg.data.train_batch_size, cfg.data.max_prompt_length \
+        + cfg.data.max_response_length
     peak = statistics.median(peaks)
     med = lambda k: statistics.median(r[k] for r in records)
     seconds = med("step")
-    tokens = kw["batch"] * (kw["prompt_len"] + kw["new_tokens"])
-    flops = workload_flops(it.actor_model.cfg, kw["batch"], kw["prompt_len"] + kw["new_tokens"])
+    tokens = batch * seq_len
+    flops = workload_flops(main.trainer.actor_model.cfg, batch, seq_len)
     out = {
         "ppo.seconds_per_iteration": seconds,
         "ppo.seconds_min": min(r["step"] for r in records),
@@ -406,13 +364,12 @@ def run(*, small: bool = False, scale="workload", warmup: int | None = None,
         out["ppo.ratio_to_trl"] = out["ppo.tokens_per_s"] / out["ppo.trl.tokens_per_s"]
         out["ppo.bypass.ratio_to_trl"] = (out["ppo.bypass.tokens_per_s"]
                                           / out["ppo.trl.tokens_per_s"])
-    for r in records:  # outside every stage: batch placement, host fetches
-        r["other"] = r["step"] - sum(r.get(s, 0.0) for s in STAGES)
-    out.update({f"ppo.stage.{s}": med(s) for s in (*STAGES, "other") if s in records[0]})
+    stages = [s for s in records[0] if s != "step"]
+    for r in records:  # outside every stage: the step's metrics
+        r["other"] = r["step"] - sum(r.get(s, 0.0) for s in stages)
+    out.update({f"ppo.stage.{s}": med(s) for s in (*stages, "other")})
     return out
 
 
 if __name__ == "__main__":
-    import json
-
     print(json.dumps(run(), indent=1, sort_keys=True))

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf_jax.core_algos.registry import get_adv_estimator
 from rlhf_jax.errors import ConfigError
+from rlhf_jax.paths import MESHES_DIR
 
 if TYPE_CHECKING:
     from rlhf_jax.config.schema import Config
 
-MESHES_DIR = Path(__file__).resolve().parents[2] / "meshes"
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 _INTERPOLATION = re.compile(r"\$\{([^}]*)\}")
 

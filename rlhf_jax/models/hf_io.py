@@ -35,7 +35,10 @@ TOKENIZER_FILES = (
 
 
 # ----------------------------------------------------------------------------- name mapping
-# (our path inside params, HF name with {i} for the layer, to_ours(w_hf, cfg), to_hf(w, cfg))
+# Qwen2, Qwen3, Llama and Mistral name their tensors alike; the families differ only in which
+# tensors exist, and `ModelConfig`'s switches say that. Each entry: our path inside a layer's
+# params, the HF name after `model.layers.{i}.`, the converters (HF -> ours, ours -> HF), and
+# the switch of `ModelConfig` that makes the tensor exist (None: always).
 
 
 def _t(w, cfg):
@@ -65,28 +68,34 @@ def _same(w, cfg):
     return w
 
 
+_SAME, _T, _O = (_same, _same), (_t, _t), (_o_in, _o_out)
+_Q, _KV = _heads_in("num_attention_heads"), _heads_in("num_key_value_heads")
+LAYER_TENSORS = (
+    (("input_layernorm", "scale"), "input_layernorm.weight", _SAME, None),
+    (("post_attention_layernorm", "scale"), "post_attention_layernorm.weight", _SAME, None),
+    (("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", _T, None),
+    (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", _T, None),
+    (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", _T, None),
+    (("self_attn", "q_proj", "kernel"), "self_attn.q_proj.weight", _Q, None),
+    (("self_attn", "k_proj", "kernel"), "self_attn.k_proj.weight", _KV, None),
+    (("self_attn", "v_proj", "kernel"), "self_attn.v_proj.weight", _KV, None),
+    (("self_attn", "o_proj", "kernel"), "self_attn.o_proj.weight", _O, None),
+    (("self_attn", "q_proj", "bias"), "self_attn.q_proj.bias", _Q, "attention_bias"),
+    (("self_attn", "k_proj", "bias"), "self_attn.k_proj.bias", _KV, "attention_bias"),
+    (("self_attn", "v_proj", "bias"), "self_attn.v_proj.bias", _KV, "attention_bias"),
+    (("self_attn", "o_proj", "bias"), "self_attn.o_proj.bias", _SAME, "o_proj_bias"),
+    (("self_attn", "q_norm", "scale"), "self_attn.q_norm.weight", _SAME, "qk_norm"),
+    (("self_attn", "k_norm", "scale"), "self_attn.k_norm.weight", _SAME, "qk_norm"),
+)
+
+
 def _param_map(model: Model) -> list[tuple[tuple[str, ...], str, Callable, Callable]]:
+    """(our path inside params, HF name with {i} for the layer, to_ours(w_hf, cfg), to_hf(w, cfg))
+    of every tensor of `model`."""
     cfg = model.cfg
-    q_in, q_out = _heads_in("num_attention_heads")
-    kv_in, kv_out = _heads_in("num_key_value_heads")
-    layer = [
-        (("input_layernorm", "scale"), "input_layernorm.weight", _same, _same),
-        (("post_attention_layernorm", "scale"), "post_attention_layernorm.weight", _same, _same),
-        (("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", _t, _t),
-        (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", _t, _t),
-        (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", _t, _t),
-        (("self_attn", "q_proj", "kernel"), "self_attn.q_proj.weight", q_in, q_out),
-        (("self_attn", "k_proj", "kernel"), "self_attn.k_proj.weight", kv_in, kv_out),
-        (("self_attn", "v_proj", "kernel"), "self_attn.v_proj.weight", kv_in, kv_out),
-        (("self_attn", "o_proj", "kernel"), "self_attn.o_proj.weight", _o_in, _o_out),
-    ]
-    if cfg.attention_bias:
-        layer += [
-            (("self_attn", "q_proj", "bias"), "self_attn.q_proj.bias", q_in, q_out),
-            (("self_attn", "k_proj", "bias"), "self_attn.k_proj.bias", kv_in, kv_out),
-            (("self_attn", "v_proj", "bias"), "self_attn.v_proj.bias", kv_in, kv_out),
-        ]
-    out = [(("model", "layers") + p, "model.layers.{i}." + n, a, b) for p, n, a, b in layer]
+    out = [(("model", "layers") + path, "model.layers.{i}." + name, a, b)
+           for path, name, (a, b), switch in LAYER_TENSORS
+           if switch is None or getattr(cfg, switch)]
     out += [
         (("model", "embed_tokens", "embedding"), "model.embed_tokens.weight", _same, _same),
         (("model", "norm", "scale"), "model.norm.weight", _same, _same),
@@ -267,7 +276,7 @@ def save_hf(model: Model, params, out_dir: str | Path, *, tokenizer_dir: str | P
         hf_cfg.update(architectures=[arch], num_labels=1, id2label={"0": "LABEL_0"},
                       label2id={"LABEL_0": 0})
     leaves = jax.tree.leaves(params)
-    hf_cfg["torch_dtype"] = str(leaves[0].dtype) if leaves else "float32"
+    hf_cfg["dtype"] = str(leaves[0].dtype) if leaves else "float32"
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     # Host memory holds one shard at most: each is written as soon as it is full.
     written: list[tuple[Path, list[str]]] = []

@@ -1,5 +1,6 @@
 """Array functions of the decoder, each shaped for XLA: the projections' product with a
-hand-written backward, the rotary table and rotation, and the gated SiLU.
+hand-written backward, the rotary table and rotation, the gated SiLU, and the sliding-window
+mask.
 
 Pure `jax.numpy`; `rlhf_jax.models.transformer` builds its modules on them. Shapes use the
 dimension letters of that module (B, T, H, ...).
@@ -60,13 +61,27 @@ def dense_dot_general(lhs, rhs, dimension_numbers, precision=None,
     return _matmul(lhs, rhs, nk, precision)
 
 
-def rope_table(positions_bt, head_dim: int, theta: float):
+def rope_table(positions_bt, head_dim: int, theta: float, inv_freq=None,
+               attention_factor: float = 1.0):
     """cos and sin [B, T, H] (float32) of the rotary embedding at `positions`: computed once
-    per forward and shared by every layer's queries and keys."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    per forward and shared by every layer's queries and keys.
+
+    `inv_freq` [H/2] (a constant from `rope.rope_frequencies`) replaces the default
+    `1 / theta^(2i/H)`, which is computed here; `attention_factor` multiplies cos and sin
+    (YaRN's, as transformers applies it), and 1.0 leaves them untouched."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    else:
+        inv_freq = jnp.asarray(inv_freq, jnp.float32)
     freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    table = lambda e: (jnp.cos(e), jnp.sin(e))
+
+    def scaled(cos, sin):
+        if attention_factor == 1.0:
+            return cos, sin
+        return cos * attention_factor, sin * attention_factor
+
+    table = lambda e: scaled(jnp.cos(e), jnp.sin(e))
     if jax.default_backend() != "cpu":
         return table(emb)
     # XLA on CPU fuses cos and sin into every rotation that reads them and evaluates them
@@ -75,7 +90,7 @@ def rope_table(positions_bt, head_dim: int, theta: float):
     # computed once. Both branches give the table (cos x = sin(x + pi/2)): they differ, so
     # XLA keeps the conditional, and either one is right. (Not on accelerators, where the
     # predicate would cost a device-to-host copy and the recomputation is cheap.)
-    other = lambda e: (jnp.sin(e + jnp.pi / 2), jnp.sin(e))
+    other = lambda e: scaled(jnp.sin(e + jnp.pi / 2), jnp.sin(e))
     return jax.lax.cond(jnp.all(jnp.isfinite(emb)), table, other, emb)
 
 
@@ -110,3 +125,13 @@ def _gated_silu_bwd(res, d_out):
 
 
 gated_silu.defvjp(_gated_silu_fwd, _gated_silu_bwd)
+
+
+def sliding_window_mask(query_index_bt, s: int, window: int):
+    """[B, T, S] bool: key index s lies within the `window` keys that end at each query's
+    index (`s > t - window`, transformers' sliding-window overlay).
+
+    Indices, not RoPE positions: within a sequence both advance by one per token (left
+    padding, packed segments and the engine's cache keep every sequence contiguous), so the
+    distance is the same, and the causal / segment mask removes everything else."""
+    return jnp.arange(s)[None, None, :] > query_index_bt[:, :, None] - window

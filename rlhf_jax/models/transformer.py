@@ -1,4 +1,6 @@
-"""Qwen2 / Llama decoder in Flax linen, with a KV-cache path for decoding.
+"""The decoder of the Qwen2 / Qwen3 / Llama / Mistral families in Flax linen, with a KV-cache
+path for decoding. One module with switches from `ModelConfig`: q/k/v and output biases,
+per-head q/k RMSNorm (Qwen3), the RoPE variant (`rope.py`) and a sliding window (Mistral).
 
 Every parameter is created with logical axis names (`vocab`, `embed`, `heads`, `kv_heads`,
 `head_dim`, `mlp`, `norm`, and `layers` for the scanned layer stack); `rlhf_jax.mesh` maps
@@ -16,7 +18,14 @@ import jax.numpy as jnp
 
 from rlhf_jax.mesh import constrain
 from rlhf_jax.models.config import ModelConfig
-from rlhf_jax.models.ops import dense_dot_general, gated_silu, rope, rope_table
+from rlhf_jax.models.ops import (
+    dense_dot_general,
+    gated_silu,
+    rope,
+    rope_table,
+    sliding_window_mask,
+)
+from rlhf_jax.models.rope import rope_frequencies
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -188,7 +197,19 @@ class Attention(nn.Module):
                            ("batch", "act_length", "act_heads", None))
         k_btkh = proj("k_proj", k, "kv_heads", x_btd)
         v_btkh = proj("v_proj", k, "kv_heads", x_btd)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's H features, before the rotation
+            kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+            q_btnh = RMSNorm(cfg.rms_norm_eps, name="q_norm", **kw)(q_btnh)
+            k_btkh = RMSNorm(cfg.rms_norm_eps, name="k_norm", **kw)(k_btkh)
         b, t = q_btnh.shape[:2]
+        if cfg.sliding_window is not None:
+            if cache is None:
+                query_bt = jnp.arange(mask_bts.shape[-1])[None]
+                query_bt = query_bt if query_slice is None else query_bt[:, query_slice]
+            else:
+                query_bt = write_index[:, None] + jnp.arange(t)[None]
+            q_mask_bts = q_mask_bts & sliding_window_mask(
+                query_bt, q_mask_bts.shape[-1], cfg.sliding_window)
         # Heads before positions, then the rotation: the transpose fuses into rope's
         # elementwise pass, and the contractions read their batch dims (B, K) leading with
         # no copy of their own (for T = 1 the transpose moves nothing).
@@ -224,9 +245,10 @@ class Attention(nn.Module):
             out_bkgth = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v_bksh.astype(self.dtype))
         out_btnh = out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
         out_btd = nn.DenseGeneral(
-            cfg.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype,
+            cfg.hidden_size, axis=(-2, -1), use_bias=cfg.o_proj_bias, dtype=self.dtype,
             param_dtype=self.param_dtype, name="o_proj", dot_general=dense_dot_general,
             kernel_init=_dense_init(("heads", "head_dim", "embed")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
         )(out_btnh)
         return out_btd, new_cache
 
@@ -312,7 +334,9 @@ class Backbone(nn.Module):
         them all): for a response as long as its prompt, ~10 % of a 4-layer model's matmuls,
         forward and backward. Scanned, or with a cache, the output is sliced."""
         x_btd = constrain(self.embed_tokens(input_ids_bt), ("batch", "act_length", "act_embed"))
-        rope_bt = rope_table(positions_bt, self.cfg.head_dim, self.cfg.rope_theta)
+        c = self.cfg
+        rope_bt = rope_table(positions_bt, c.head_dim, c.rope_theta,
+                             *rope_frequencies(c.rope_theta, c.head_dim, c.rope_scaling))
         split = not self.is_initializing() and isinstance(
             self.layers.variables["params"], tuple)
         unrolled = split or (cache is not None and isinstance(cache.k, tuple))

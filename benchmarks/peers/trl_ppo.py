@@ -4,7 +4,7 @@ reference of `scripts/bench.py ppo --trl-python PYTHON`.
 Run it with the Python of an environment that has torch, transformers and trl; it imports neither
 jax nor rlhf_jax, so it keeps its own copy of the workload's constants:
 
-    python rlhf_jax/benchmarks/peers/trl_ppo.py [--iterations N]
+    python benchmarks/peers/trl_ppo.py [--iterations N]
 
 TRL's log lines go to stderr; stdout gets one JSON object (`trl.seconds_per_iteration`,
 `trl.tokens_per_s`, `trl.stage.{gen,update,rollout_other}`, per-iteration lists, versions, and
