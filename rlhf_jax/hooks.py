@@ -15,8 +15,14 @@ returns the run state, replaced where it acts on it (a rollback restores an olde
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
+
+import jax
+import numpy as np
+
+from rlhf_jax import paths
 
 
 @dataclasses.dataclass
@@ -66,3 +72,80 @@ class HookList:
     @property
     def names(self) -> list[str]:
         return [h.name for h in self.hooks]
+
+
+# ------------------------------------------------------------------ the trainer's hooks
+
+
+def trainer_hooks(trainer) -> HookList:
+    """After each step, in this order: the test fault hook, rollback, validation,
+    trackers, early stop, checkpoint, profiler."""
+    t = trainer.cfg.trainer
+    hooks = HookList()
+    hooks.add("fault", functools.partial(_fault, trainer))
+    if t.rollback.enable:
+        hooks.add("rollback", functools.partial(_rollback, trainer))
+    if t.test_freq > 0:
+        hooks.add("validation", functools.partial(_validation, trainer), every=t.test_freq,
+                  at_end=True)
+    hooks.add("trackers", functools.partial(_trackers, trainer))
+    if t.early_stop_score is not None:
+        hooks.add("early_stop", functools.partial(_early_stop, trainer))
+    hooks.add("checkpoint", functools.partial(_checkpoint, trainer), every=t.save_freq, at_end=True)
+    if t.profile_steps:
+        hooks.add("profiler", functools.partial(_profiler, trainer))
+    return hooks
+
+def _fault(trainer, state, info: StepInfo):
+    if trainer.fault_hook is None:
+        return state
+    trainer.state = state
+    info.metrics = trainer.fault_hook(trainer, info.metrics)
+    return trainer.state
+
+def _rollback(trainer, state, info: StepInfo):
+    cause = trainer.watch.cause(info.metrics)
+    if cause is None:
+        trainer.watch.observe(info.metrics)
+        return state._replace(watch=trainer.watch.state())
+    trainer.history.append(info.metrics)
+    trainer.log(info.metrics)
+    state, event = trainer.recovery.roll_back(state, cause)
+    trainer._restored(state)
+    trainer.log(event)
+    info.rolled_back = True
+    return state
+
+def _validation(trainer, state, info: StepInfo):
+    info.metrics.update(trainer.validate())
+    return state
+
+def _trackers(trainer, state, info: StepInfo):
+    trainer.history.append(info.metrics)
+    trainer.log(info.metrics)
+    score = info.metrics["critic/score/mean"]
+    return state._replace(recent_scores=(*state.recent_scores, score)[-5:])
+
+def _early_stop(trainer, state, info: StepInfo):
+    t, recent = trainer.cfg.trainer, state.recent_scores
+    if len(recent) == 5 and np.mean(recent) >= t.early_stop_score:
+        info.stop = True
+        print(f"early stop at step {state.step}: mean score of the last 5 steps "
+              f"{np.mean(recent):.3f} >= {t.early_stop_score}", flush=True)
+    return state
+
+def _checkpoint(trainer, state, info: StepInfo):
+    trainer.recovery.save(state)
+    return state
+
+def _profiler(trainer, state, info: StepInfo):
+    """`trainer.profile_steps`: a `jax.profiler` trace of those steps, in
+    `<run>/profile` (TensorBoard's profile plugin and Perfetto read it); a run of
+    consecutive steps is one trace."""
+    steps = set(trainer.cfg.trainer.profile_steps)
+    last = info.final or info.stop
+    if info.step in steps and ((info.step + 1) not in steps or last):
+        jax.profiler.stop_trace()
+    elif (info.step + 1) in steps and not last:
+        jax.profiler.start_trace(str(trainer.run_dir / paths.PROFILE))
+    return state

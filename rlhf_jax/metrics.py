@@ -80,6 +80,28 @@ def train_flops(model_cfg, seq_lens: np.ndarray, passes: float = 1.0) -> float:
     return passes * (6.0 * c.num_matmul_params * tokens + attn)
 
 
+def step_perf(metrics: dict, seq_lens: np.ndarray, peak_flops_per_device: float, actor_cfg,
+              actor_epochs: int, critic_cfg=None, critic_epochs: int | None = None) -> dict:
+    """`perf/*` of one step from its `timing_s/*` (`metrics`) and its sequence lengths:
+    throughput per device and the MFU of each update (`train_flops` over the update's time
+    and the devices' peak)."""
+    import jax
+
+    tokens = float(seq_lens.sum())
+    devices = jax.device_count()
+    seconds = metrics["timing_s/step"]
+    out = {"perf/total_num_tokens": tokens, "perf/time_per_step": seconds,
+           "perf/throughput": tokens / (seconds * devices)}
+    peak = peak_flops_per_device * devices
+    if "timing_s/update_actor" in metrics:
+        flops = train_flops(actor_cfg, seq_lens, actor_epochs)
+        out["perf/mfu/actor"] = flops / (metrics["timing_s/update_actor"] * peak)
+    if "timing_s/update_critic" in metrics:
+        flops = train_flops(critic_cfg, seq_lens, critic_epochs or actor_epochs)
+        out["perf/mfu/critic"] = flops / (metrics["timing_s/update_critic"] * peak)
+    return out
+
+
 _MEASURED_PEAK: dict[str, float] = {}
 
 

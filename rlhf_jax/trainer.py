@@ -15,12 +15,9 @@ hooks (rollback, validation, trackers, early stop, checkpoint, profiler) after i
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -32,53 +29,15 @@ from rlhf_jax.config import to_dict, to_yaml, validate_batch_arithmetic
 from rlhf_jax.core_algos import get_adv_estimator, get_kl_controller
 from rlhf_jax.data import PromptDataset, PromptLoader
 from rlhf_jax.errors import ConfigError
-from rlhf_jax.hooks import HookList, StepInfo
-from rlhf_jax.metrics import Timer, data_metrics, peak_flops_per_device, train_flops
+from rlhf_jax.experience import Experience, experience_stages
+from rlhf_jax.hooks import StepInfo, trainer_hooks
+from rlhf_jax.metrics import Timer, data_metrics, peak_flops_per_device, step_perf
 from rlhf_jax.recovery import Recovery, RunState
 from rlhf_jax.rewards import load_custom_reward_fn, score_batch
 from rlhf_jax.rollback import RollbackWatch
 from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, reshard
 from rlhf_jax.tokenizer import load_tokenizer
 from rlhf_jax.trackers import make_trackers
-
-
-class Experience(NamedTuple):
-    """One step's sequences and what the stages made of them: host arrays, prompt-major
-    (row i*n + j = sample j of prompt i); a field is None until its stage fills it."""
-
-    seqs: ts.Sequences  # [N, ...] padded rows: prompt (left-padded) + response
-    index: np.ndarray  # [N] prompt id within the batch (the GRPO group)
-    rollout_log_probs: np.ndarray  # [N, R] the engine's, at the rollout temperature
-    scores: np.ndarray | None = None  # [N] the reward function's
-    reward_baselines: np.ndarray | None = None  # [N] greedy response's score (ReMax)
-    old_log_probs: Any = None  # [N, R]
-    ref_log_probs: Any = None
-    values: Any = None
-    token_rewards: Any = None  # scores on the last token, minus the KL penalty
-    advantages: Any = None
-    returns: Any = None
-    kl: float | None = None  # the batch's KL in the reward (the controller's input)
-    metrics: dict = {}  # the stages' metrics (never mutated: `with_metrics` makes a new one)
-    times: dict = {}  # seconds per stage
-
-    @property
-    def response_mask(self) -> np.ndarray:
-        return self.seqs.loss_mask
-
-    @property
-    def prompt_mask(self) -> np.ndarray:
-        return self.seqs.segment_ids[:, : -self.seqs.targets.shape[-1]]
-
-    def with_metrics(self, **metrics) -> Experience:
-        return self._replace(metrics={**self.metrics, **metrics})
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """`fn(state, exp, chunks) -> exp`, timed as `timing_s/<name>` (None: not timed)."""
-
-    name: str | None
-    fn: Callable
 
 
 class Trainer:
@@ -124,11 +83,11 @@ class Trainer:
         self.watch = RollbackWatch(t.rollback.max_kl, t.rollback.value_loss_spike)
         self.state = self.state._replace(watch=self.watch.state(),
                                          loader=self.train_loader.get_state())
-        self.stages = self.experience_stages()
+        self.stages = experience_stages(self)
         # Test-only: `fault_hook(trainer, metrics) -> metrics` runs after each step, before the
         # rollback checks (tests inject NaNs and spikes with it; no config key reaches it).
         self.fault_hook = None
-        self.hooks = self.default_hooks()
+        self.hooks = trainer_hooks(self)
 
     # ----------------------------------------------------------------------- run state
 
@@ -277,75 +236,6 @@ class Trainer:
         cfg = self.cfg
         return (cfg.critic.enable and cfg.critic.values_in_update
                 and cfg.algorithm.adv_estimator == "gae" and self.critic_plan.updates == 1)
-
-    def experience_stages(self) -> list[Stage]:
-        """The stages after the rollout, chosen once from the config: which one fills which
-        field of the `Experience`."""
-        cfg = self.cfg
-        stages = []
-        if cfg.algorithm.rollout_correction.bypass_mode:
-            stages.append(Stage(None, self._old_from_rollout))
-        else:
-            stages.append(Stage("old_log_prob", self._old_log_prob))
-        if self.state.ref is not None:
-            stages.append(Stage("ref", self._ref_log_prob))
-        if self.state.critic is not None and not self.values_in_update:
-            stages.append(Stage("values", self._values))
-        stages.append(Stage("adv", self._advantages))
-        return stages
-
-    def _old_from_rollout(self, state, exp, chunks):
-        """verl's bypass mode: the engine's log-probs of the tokens it sampled (the policy
-        that generated them) are PPO's old log-probs; no forward pass."""
-        mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
-        return exp._replace(old_log_probs=jax.numpy.asarray(exp.rollout_log_probs) * mask
-                            ).with_metrics(**{"training/old_log_prob_recomputed": 0.0})
-
-    def _old_log_prob(self, state, exp, chunks):
-        old = batching.unchunk(self.log_probs(state.actor.params, chunks)).block_until_ready()
-        mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
-        mx, mean = ppo.rollout_probs_diff(jax.numpy.asarray(exp.rollout_log_probs), old, mask)
-        return exp._replace(old_log_probs=old).with_metrics(**{
-            "training/old_log_prob_recomputed": 1.0,
-            "training/rollout_probs_diff_max": float(mx),
-            "training/rollout_probs_diff_mean": float(mean)})
-
-    def _ref_log_prob(self, state, exp, chunks):
-        ref = batching.unchunk(self.log_probs(state.ref, chunks)).block_until_ready()
-        return exp._replace(ref_log_probs=ref)
-
-    def _values(self, state, exp, chunks):
-        values = batching.unchunk(self.values(state.critic.params, chunks)).block_until_ready()
-        return exp._replace(values=values)
-
-    def _advantages(self, state, exp, chunks):
-        """Token rewards (with the KL in the reward) and, unless the critic's update makes
-        the values, the advantages of the configured estimator."""
-        alg = self.cfg.algorithm
-        mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
-        token_rewards = ppo.token_level_scores(jax.numpy.asarray(exp.scores), mask)
-        if alg.use_kl_in_reward:
-            beta = state.kl.kl_coef
-            token_rewards, current_kl = ppo.kl_in_reward(
-                token_rewards, exp.old_log_probs, exp.ref_log_probs, mask, beta,
-                kind=alg.kl_penalty)
-            exp = exp._replace(kl=float(current_kl)).with_metrics(**{
-                "actor/reward_kl_penalty": float(current_kl),
-                "actor/reward_kl_penalty_coeff": float(beta)})
-        exp = exp._replace(token_rewards=token_rewards)
-        if self.values_in_update:  # the critic's update fills values, advantages, returns
-            return exp
-        needs = self.estimator.needs
-        adv, returns = batching.fetch(ppo.advantages(
-            token_rewards, mask, estimator=alg.adv_estimator, gamma=float(alg.gamma),
-            lam=float(alg.lam), norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            values=exp.values if "values" in needs else None,
-            index=(jax.numpy.asarray(exp.index, jax.numpy.int32) if "index" in needs
-                   else None),
-            reward_baselines=(jax.numpy.asarray(exp.reward_baselines)
-                              if "reward_baselines" in needs else None),
-        ))
-        return exp._replace(advantages=adv, returns=returns)
 
     # -------------------------------------------------------------------- make_experience
 
@@ -500,28 +390,12 @@ class Trainer:
         exp = self.make_experience(batch, state)
         state, metrics = self.learn(state, exp)
         metrics["timing_s/step"] = time.perf_counter() - start
-        metrics.update(self._perf(exp, metrics))
+        c = self.cfg
+        metrics.update(step_perf(
+            metrics, exp.seqs.segment_ids.sum(-1), self.peak_flops, self.actor_model.cfg,
+            c.actor_rollout_ref.actor.ppo_epochs, self.critic_model.cfg if c.critic.enable
+            else None, c.critic.ppo_epochs))
         return state, {k: float(v) for k, v in metrics.items()}
-
-    def _perf(self, exp: Experience, metrics: dict) -> dict:
-        seq_lens = exp.seqs.segment_ids.sum(-1)
-        tokens = float(seq_lens.sum())
-        devices = jax.device_count()
-        seconds = metrics["timing_s/step"]
-        out = {
-            "perf/total_num_tokens": tokens, "perf/time_per_step": seconds,
-            "perf/throughput": tokens / (seconds * devices),
-        }
-        peak = self.peak_flops * devices
-        epochs = self.cfg.actor_rollout_ref.actor.ppo_epochs
-        if "timing_s/update_actor" in metrics:
-            flops = train_flops(self.actor_model.cfg, seq_lens, epochs)
-            out["perf/mfu/actor"] = flops / (metrics["timing_s/update_actor"] * peak)
-        if "timing_s/update_critic" in metrics:
-            c_epochs = self.cfg.critic.ppo_epochs or epochs
-            flops = train_flops(self.critic_model.cfg, seq_lens, c_epochs)
-            out["perf/mfu/critic"] = flops / (metrics["timing_s/update_critic"] * peak)
-        return out
 
     def validate(self) -> dict:
         if self.val_loader is None:
@@ -549,80 +423,6 @@ class Trainer:
     def log(self, metrics: dict) -> None:
         for tracker in self.trackers:
             tracker.log(metrics, self.global_step)
-
-    # ------------------------------------------------------------------------------- hooks
-
-    def default_hooks(self) -> HookList:
-        """After each step, in this order: the test fault hook, rollback, validation,
-        trackers, early stop, checkpoint, profiler."""
-        t = self.cfg.trainer
-        hooks = HookList()
-        hooks.add("fault", self._fault_hook)
-        if t.rollback.enable:
-            hooks.add("rollback", self._rollback_hook)
-        if t.test_freq > 0:
-            hooks.add("validation", self._validation_hook, every=t.test_freq, at_end=True)
-        hooks.add("trackers", self._trackers_hook)
-        if t.early_stop_score is not None:
-            hooks.add("early_stop", self._early_stop_hook)
-        hooks.add("checkpoint", self._checkpoint_hook, every=t.save_freq, at_end=True)
-        if t.profile_steps:
-            hooks.add("profiler", self._profiler_hook)
-        return hooks
-
-    def _fault_hook(self, state, info: StepInfo):
-        if self.fault_hook is None:
-            return state
-        self.state = state
-        info.metrics = self.fault_hook(self, info.metrics)
-        return self.state
-
-    def _rollback_hook(self, state, info: StepInfo):
-        cause = self.watch.cause(info.metrics)
-        if cause is None:
-            self.watch.observe(info.metrics)
-            return state._replace(watch=self.watch.state())
-        self.history.append(info.metrics)
-        self.log(info.metrics)
-        state, event = self.recovery.roll_back(state, cause)
-        self._restored(state)
-        self.log(event)
-        info.rolled_back = True
-        return state
-
-    def _validation_hook(self, state, info: StepInfo):
-        info.metrics.update(self.validate())
-        return state
-
-    def _trackers_hook(self, state, info: StepInfo):
-        self.history.append(info.metrics)
-        self.log(info.metrics)
-        score = info.metrics["critic/score/mean"]
-        return state._replace(recent_scores=(*state.recent_scores, score)[-5:])
-
-    def _early_stop_hook(self, state, info: StepInfo):
-        t, recent = self.cfg.trainer, state.recent_scores
-        if len(recent) == 5 and np.mean(recent) >= t.early_stop_score:
-            info.stop = True
-            print(f"early stop at step {state.step}: mean score of the last 5 steps "
-                  f"{np.mean(recent):.3f} >= {t.early_stop_score}", flush=True)
-        return state
-
-    def _checkpoint_hook(self, state, info: StepInfo):
-        self.recovery.save(state)
-        return state
-
-    def _profiler_hook(self, state, info: StepInfo):
-        """`trainer.profile_steps`: a `jax.profiler` trace of those steps, in
-        `<run>/profile` (TensorBoard's profile plugin and Perfetto read it); a run of
-        consecutive steps is one trace."""
-        steps = set(self.cfg.trainer.profile_steps)
-        last = info.final or info.stop
-        if info.step in steps and ((info.step + 1) not in steps or last):
-            jax.profiler.stop_trace()
-        elif (info.step + 1) in steps and not last:
-            jax.profiler.start_trace(str(self.run_dir / paths.PROFILE))
-        return state
 
     # --------------------------------------------------------------------------------- run
 

@@ -1,6 +1,7 @@
 """The typed config (rlhf_jax.config) and the entry point scripts/train.py."""
 
 import dataclasses
+import re
 import runpy
 import subprocess
 import sys
@@ -410,3 +411,18 @@ def test_batch_arithmetic_errors(overrides, dp, message):
 def test_batch_arithmetic_rejects_a_bad_data_parallel_size():
     with pytest.raises(ConfigError, match="data-parallel size must be an int >= 1"):
         validate_batch_arithmetic(load_config(TINY), 0)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("actor_rollout_ref.model.use_remove_padding=true", "sequence packing is not implemented"),
+    ("actor_rollout_ref.rollout.calculate_log_probs=false", "always returns"),
+    ("data.return_raw_chat=true", "raw chat"),
+    ("data.reward_fn_key=source", "data_source column"),
+    ("trainer.log_val_generations=2", "not logged yet"),
+])
+def test_verl_keys_we_do_not_implement_are_refused_not_ignored(override, needle):
+    from rlhf_jax.config import load_config
+
+    path = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}: only .* is supported.*{needle}"):
+        load_config(ROOT / "configs/ppo_tiny_cpu.yaml", [override])

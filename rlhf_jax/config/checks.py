@@ -59,7 +59,7 @@ _RULES = (
         "synthetic.num_train", "synthetic.num_val",
     )],
     *[(p, _GE0) for p in (
-        "trainer.critic_warmup", "trainer.log_val_generations", "trainer.rollback.max_rollbacks",
+        "trainer.critic_warmup", "trainer.rollback.max_rollbacks",
         "trainer.sft_warmup.max_steps", f"{_ARR}.actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef",
     )],
     ("trainer.save_freq", _FREQ),
@@ -88,6 +88,20 @@ _RULES = (
         ("temperature", _GE0), ("top_k", _TOP_K),
         ("top_p", _rule(lambda v: 0 < v <= 1, "must be in (0, 1]")),
     )],
+)
+
+
+# verl keys accepted (so verl configs load) whose other values are not implemented here:
+# (key path, the one value that runs, why / what to do instead).
+_ONLY = (
+    ("data.reward_fn_key", "data_source",
+     "rewards are looked up by the data_source column (rlhf_jax.rewards.register_reward)"),
+    ("data.return_raw_chat", False, "the rollout engine takes token ids, never the raw chat"),
+    (f"{_ARR}.model.use_remove_padding", False,
+     "sequence packing is not implemented yet; batches run padded"),
+    (f"{_ARR}.rollout.calculate_log_probs", True,
+     "the engine always returns the sampled tokens' log-probs (rollout_probs_diff, bypass)"),
+    ("trainer.log_val_generations", 0, "validation generations are not logged yet"),
 )
 
 
@@ -195,6 +209,10 @@ def validate(cfg: Config) -> None:
         value = _get(cfg, path)
         if value is not None and not test(value):
             _fail(path, f"{text}, got {value}")
+    show = lambda v: str(v).lower() if isinstance(v, bool) else repr(v)
+    for path, only, why in _ONLY:
+        if _get(cfg, path) != only:
+            _fail(path, f"only {show(only)} is supported, got {show(_get(cfg, path))}: {why}")
     arr, data, trainer = cfg.actor_rollout_ref, cfg.data, cfg.trainer
     for opt in _OPTIMS:
         if not all(0 <= b < 1 for b in _get(cfg, opt).betas):

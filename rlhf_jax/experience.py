@@ -1,0 +1,130 @@
+"""What `Trainer.make_experience` makes: the `Experience` of one step, and the stages after
+the rollout that fill its fields (old_log_prob, ref, values, adv), chosen once from the
+config: bypass mode fills the old log-probs from the rollout, the fused critic
+(`critic.values_in_update`) leaves the values and advantages to its update.
+
+A stage is `fn(state, exp, chunks) -> exp`: it reads the run state and the experience, and
+returns the experience with its field(s) filled; `chunks` are the sequences on the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from rlhf_jax import batching, ppo
+from rlhf_jax import train_steps as ts
+
+
+class Experience(NamedTuple):
+    """One step's sequences and what the stages made of them: host arrays, prompt-major
+    (row i*n + j = sample j of prompt i); a field is None until its stage fills it."""
+
+    seqs: ts.Sequences  # [N, ...] padded rows: prompt (left-padded) + response
+    index: np.ndarray  # [N] prompt id within the batch (the GRPO group)
+    rollout_log_probs: np.ndarray  # [N, R] the engine's, at the rollout temperature
+    scores: np.ndarray | None = None  # [N] the reward function's
+    reward_baselines: np.ndarray | None = None  # [N] greedy response's score (ReMax)
+    old_log_probs: Any = None  # [N, R]
+    ref_log_probs: Any = None
+    values: Any = None
+    token_rewards: Any = None  # scores on the last token, minus the KL penalty
+    advantages: Any = None
+    returns: Any = None
+    kl: float | None = None  # the batch's KL in the reward (the controller's input)
+    metrics: dict = {}  # the stages' metrics (never mutated: `with_metrics` makes a new one)
+    times: dict = {}  # seconds per stage
+
+    @property
+    def response_mask(self) -> np.ndarray:
+        return self.seqs.loss_mask
+
+    @property
+    def prompt_mask(self) -> np.ndarray:
+        return self.seqs.segment_ids[:, : -self.seqs.targets.shape[-1]]
+
+    def with_metrics(self, **metrics) -> Experience:
+        return self._replace(metrics={**self.metrics, **metrics})
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """`fn(state, exp, chunks) -> exp`, timed as `timing_s/<name>` (None: not timed)."""
+
+    name: str | None
+    fn: Callable
+
+
+def experience_stages(trainer) -> list[Stage]:
+    """The stages after the rollout, chosen once from the config: which one fills which
+    field of the `Experience`."""
+    cfg = trainer.cfg
+    stages = []
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        stages.append(Stage(None, functools.partial(_old_from_rollout, trainer)))
+    else:
+        stages.append(Stage("old_log_prob", functools.partial(_old_log_prob, trainer)))
+    if trainer.state.ref is not None:
+        stages.append(Stage("ref", functools.partial(_ref_log_prob, trainer)))
+    if trainer.state.critic is not None and not trainer.values_in_update:
+        stages.append(Stage("values", functools.partial(_values, trainer)))
+    stages.append(Stage("adv", functools.partial(_advantages, trainer)))
+    return stages
+
+def _old_from_rollout(trainer, state, exp, chunks):
+    """verl's bypass mode: the engine's log-probs of the tokens it sampled (the policy
+    that generated them) are PPO's old log-probs; no forward pass."""
+    mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
+    return exp._replace(old_log_probs=jax.numpy.asarray(exp.rollout_log_probs) * mask
+                        ).with_metrics(**{"training/old_log_prob_recomputed": 0.0})
+
+def _old_log_prob(trainer, state, exp, chunks):
+    old = batching.unchunk(trainer.log_probs(state.actor.params, chunks)).block_until_ready()
+    mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
+    mx, mean = ppo.rollout_probs_diff(jax.numpy.asarray(exp.rollout_log_probs), old, mask)
+    return exp._replace(old_log_probs=old).with_metrics(**{
+        "training/old_log_prob_recomputed": 1.0,
+        "training/rollout_probs_diff_max": float(mx),
+        "training/rollout_probs_diff_mean": float(mean)})
+
+def _ref_log_prob(trainer, state, exp, chunks):
+    ref = batching.unchunk(trainer.log_probs(state.ref, chunks)).block_until_ready()
+    return exp._replace(ref_log_probs=ref)
+
+def _values(trainer, state, exp, chunks):
+    values = batching.unchunk(trainer.values(state.critic.params, chunks)).block_until_ready()
+    return exp._replace(values=values)
+
+def _advantages(trainer, state, exp, chunks):
+    """Token rewards (with the KL in the reward) and, unless the critic's update makes
+    the values, the advantages of the configured estimator."""
+    alg = trainer.cfg.algorithm
+    mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
+    token_rewards = ppo.token_level_scores(jax.numpy.asarray(exp.scores), mask)
+    if alg.use_kl_in_reward:
+        beta = state.kl.kl_coef
+        token_rewards, current_kl = ppo.kl_in_reward(
+            token_rewards, exp.old_log_probs, exp.ref_log_probs, mask, beta,
+            kind=alg.kl_penalty)
+        exp = exp._replace(kl=float(current_kl)).with_metrics(**{
+            "actor/reward_kl_penalty": float(current_kl),
+            "actor/reward_kl_penalty_coeff": float(beta)})
+    exp = exp._replace(token_rewards=token_rewards)
+    if trainer.values_in_update:  # the critic's update fills values, advantages, returns
+        return exp
+    needs = trainer.estimator.needs
+    adv, returns = batching.fetch(ppo.advantages(
+        token_rewards, mask, estimator=alg.adv_estimator, gamma=float(alg.gamma),
+        lam=float(alg.lam), norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+        values=exp.values if "values" in needs else None,
+        index=(jax.numpy.asarray(exp.index, jax.numpy.int32) if "index" in needs
+               else None),
+        reward_baselines=(jax.numpy.asarray(exp.reward_baselines)
+                          if "reward_baselines" in needs else None),
+    ))
+    return exp._replace(advantages=adv, returns=returns)
