@@ -4,7 +4,8 @@ config: bypass mode fills the old log-probs from the rollout, the fused critic
 (`critic.values_in_update`) leaves the values and advantages to its update.
 
 A stage is `fn(state, exp, chunks) -> exp`: it reads the run state and the experience, and
-returns the experience with its field(s) filled; `chunks` are the sequences on the mesh.
+returns the experience with its field(s) filled; `chunks()` are the padded sequences on the
+mesh, which `Trainer.forward` runs (or packs by the pass's token budget).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from rlhf_jax import batching, ppo
+from rlhf_jax import batching, core_algos, ppo
 from rlhf_jax import train_steps as ts
 
 
@@ -36,6 +37,7 @@ class Experience(NamedTuple):
     token_rewards: Any = None  # scores on the last token, minus the KL penalty
     advantages: Any = None
     returns: Any = None
+    rollout_is_weights: Any = None  # [N, R] rollout correction's IS weights (None: off)
     kl: float | None = None  # the batch's KL in the reward (the controller's input)
     metrics: dict = {}  # the stages' metrics (never mutated: `with_metrics` makes a new one)
     times: dict = {}  # seconds per stage
@@ -43,6 +45,12 @@ class Experience(NamedTuple):
     @property
     def response_mask(self) -> np.ndarray:
         return self.seqs.loss_mask
+
+    @property
+    def sampled_mask(self) -> np.ndarray:
+        """[N, R] the response tokens as sampled: `response_mask` before rollout
+        correction's rejection took tokens out of the loss."""
+        return self.seqs.segment_ids[:, -self.seqs.targets.shape[-1]:]
 
     @property
     def prompt_mask(self) -> np.ndarray:
@@ -73,8 +81,16 @@ def experience_stages(trainer) -> list[Stage]:
         stages.append(Stage("ref", functools.partial(_ref_log_prob, trainer)))
     if trainer.state.critic is not None and not trainer.values_in_update:
         stages.append(Stage("values", functools.partial(_values, trainer)))
-    stages.append(Stage("adv", functools.partial(_advantages, trainer)))
+    adv = functools.partial(_advantages, trainer)
+    if not cfg.algorithm.rollout_correction.bypass_mode:  # bypass: in the actor's loss
+        # verl corrects right before the advantages, under the same timer.
+        adv = _then(functools.partial(_rollout_correction, trainer), adv)
+    stages.append(Stage("adv", adv))
     return stages
+
+def _then(first, second):
+    """The stage `second` after the stage `first`, as one."""
+    return lambda state, exp, chunks: second(state, first(state, exp, chunks), chunks)
 
 def _old_from_rollout(trainer, state, exp, chunks):
     """verl's bypass mode: the engine's log-probs of the tokens it sampled (the policy
@@ -84,7 +100,7 @@ def _old_from_rollout(trainer, state, exp, chunks):
                         ).with_metrics(**{"training/old_log_prob_recomputed": 0.0})
 
 def _old_log_prob(trainer, state, exp, chunks):
-    old = batching.unchunk(trainer.log_probs(state.actor.params, chunks)).block_until_ready()
+    old = trainer.forward("old", state.actor.params, exp.seqs, chunks)
     mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
     mx, mean = ppo.rollout_probs_diff(jax.numpy.asarray(exp.rollout_log_probs), old, mask)
     return exp._replace(old_log_probs=old).with_metrics(**{
@@ -93,23 +109,41 @@ def _old_log_prob(trainer, state, exp, chunks):
         "training/rollout_probs_diff_mean": float(mean)})
 
 def _ref_log_prob(trainer, state, exp, chunks):
-    ref = batching.unchunk(trainer.log_probs(state.ref, chunks)).block_until_ready()
+    ref = trainer.forward("ref", state.ref, exp.seqs, chunks)
     return exp._replace(ref_log_probs=ref)
 
 def _values(trainer, state, exp, chunks):
-    values = batching.unchunk(trainer.values(state.critic.params, chunks)).block_until_ready()
+    values = trainer.forward("values", state.critic.params, exp.seqs, chunks)
     return exp._replace(values=values)
+
+_corrected = jax.jit(core_algos.apply_rollout_correction, static_argnames="correction")
+
+
+def _rollout_correction(trainer, state, exp, chunks):
+    """verl's decoupled rollout correction (`compute_rollout_correction_and_add_to_batch`),
+    from the old against the rollout log-probs: the IS weights (if `rollout_is`), the
+    rejected tokens taken out of the loss mask (if `rollout_rs`), and the `rollout_corr/*`
+    diagnostics, always."""
+    correction = core_algos.RolloutCorrection.from_config(
+        trainer.cfg.algorithm.rollout_correction)
+    weights, mask, metrics = batching.fetch(_corrected(
+        exp.old_log_probs, exp.rollout_log_probs, exp.response_mask, correction=correction))
+    seqs = exp.seqs._replace(loss_mask=mask.astype(exp.seqs.loss_mask.dtype))
+    return exp._replace(seqs=seqs, rollout_is_weights=weights).with_metrics(
+        **{k: float(v) for k, v in metrics.items()})
 
 def _advantages(trainer, state, exp, chunks):
     """Token rewards (with the KL in the reward) and, unless the critic's update makes
-    the values, the advantages of the configured estimator."""
+    the values, the advantages of the configured estimator. The score and the KL penalty
+    are on the sampled tokens; the advantages on those the loss keeps (verl's order)."""
     alg = trainer.cfg.algorithm
     mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
-    token_rewards = ppo.token_level_scores(jax.numpy.asarray(exp.scores), mask)
+    sampled = jax.numpy.asarray(exp.sampled_mask, jax.numpy.float32)
+    token_rewards = ppo.token_level_scores(jax.numpy.asarray(exp.scores), sampled)
     if alg.use_kl_in_reward:
         beta = state.kl.kl_coef
         token_rewards, current_kl = ppo.kl_in_reward(
-            token_rewards, exp.old_log_probs, exp.ref_log_probs, mask, beta,
+            token_rewards, exp.old_log_probs, exp.ref_log_probs, sampled, beta,
             kind=alg.kl_penalty)
         exp = exp._replace(kl=float(current_kl)).with_metrics(**{
             "actor/reward_kl_penalty": float(current_kl),

@@ -1,9 +1,10 @@
 """A short supervised warm start on the data's ground truths (`trainer.sft_warmup`).
 
 A synthetic task starts from a random model that no policy gradient can move (its reward is
-never seen). The warm start trains next-token cross-entropy on `prompt -> ground_truth <eos>`
-and stops as soon as the *sampled* score on a validation batch reaches `target_score`, so PPO
-starts from a weak but non-zero policy, as a real run starts from an instruction-tuned model.
+never seen). The warm start trains next-token cross-entropy on `prompt -> target <eos>` (the
+row's worked solution `extra_info.answer` if it has one, else its ground truth) and stops as
+soon as the *sampled* score on a validation batch reaches `target_score`, so PPO starts from a
+weak but non-zero policy, as a real run starts from an instruction-tuned model.
 
 With `label_smoothing` e the targets are `(1 - e) * one-hot + e * uniform` over the answer
 vocabulary (the ids that occur in the answers, EOS included): the policy learns which token is
@@ -38,6 +39,14 @@ def answer_tokens(tokenizer, truths, length: int) -> tuple[np.ndarray, np.ndarra
         ids[i, : len(row)] = row
         mask[i, : len(row)] = 1
     return ids, mask
+
+
+def target(ground_truth, extra_info) -> str:
+    """What the warm start teaches a row: its worked solution `extra_info["answer"]` when it
+    has one (verl's GSM8K preprocessing and the word-problem task store it), else its ground
+    truth (the addition task's answer is the whole response)."""
+    answer = (extra_info or {}).get("answer")
+    return str(ground_truth if answer is None else answer)
 
 
 def answer_vocabulary(tokenizer, truths, vocab_size: int) -> np.ndarray:
@@ -90,7 +99,8 @@ def warm_start(trainer, run_state):
     vocab = trainer.actor_model.cfg.vocab_size
     smooth_over = np.ones(vocab, np.float32)
     if cfg.label_smoothing:
-        truths = [dataset[j]["ground_truth"] for j in range(len(dataset))]
+        truths = [target(dataset[j]["ground_truth"], dataset[j]["extra_info"])
+                  for j in range(len(dataset))]
         smooth_over = answer_vocabulary(trainer.tokenizer, truths, vocab).astype(np.float32)
     eval_loader = trainer.val_loader or trainer.train_loader
     eval_batch = eval_loader.dataset.collate(
@@ -102,7 +112,8 @@ def warm_start(trainer, run_state):
     score, loss = 0.0, float("nan")
     for i in range(1, cfg.max_steps + 1):
         batch = dataset.collate([dataset[j] for j in rng.choice(len(dataset), bs, replace=False)])
-        ans, ans_mask = answer_tokens(trainer.tokenizer, batch.ground_truth, r)
+        truths = [target(*row) for row in zip(batch.ground_truth, batch.extra_info, strict=True)]
+        ans, ans_mask = answer_tokens(trainer.tokenizer, truths, r)
         seqs = ts.Sequences.padded(
             np.concatenate([batch.input_ids, ans], 1),
             np.concatenate([batch.attention_mask, ans_mask], 1), ans, ans_mask,

@@ -24,7 +24,8 @@ import numpy as np
 import optax
 
 from rlhf_jax import core_algos
-from rlhf_jax.models import Model
+from rlhf_jax.models import Model, head
+from rlhf_jax.packing import Packed
 
 
 class TrainState(NamedTuple):
@@ -82,16 +83,17 @@ class Sequences(NamedTuple):
 
 
 class ActorBatch(NamedTuple):
-    seqs: Sequences
+    seqs: Sequences  # or packing.Packed (per-token arrays then [U, M, R], in its slots)
     old_log_probs: jax.Array  # [U, K, m, R]
     advantages: jax.Array
     ref_log_probs: jax.Array  # zeros when the KL loss is off
     token_count: jax.Array  # [U] valid response tokens of each mini-batch
     seq_count: jax.Array  # [U] sequences of each mini-batch
+    rollout_is_weights: jax.Array | None = None  # like old_log_probs; None: no IS weights
 
 
 class CriticBatch(NamedTuple):
-    seqs: Sequences
+    seqs: Sequences  # or packing.Packed (per-token arrays then [U, M, R], in its slots)
     values: jax.Array  # [U, K, m, R] values of the rollout (the clipping anchor)
     returns: jax.Array
     token_count: jax.Array
@@ -101,7 +103,7 @@ class CriticBatch(NamedTuple):
 class CriticRolloutBatch(NamedTuple):
     """A critic update that also makes the rollout's values (`critic_update_from_rollout`)."""
 
-    seqs: Sequences
+    seqs: Sequences  # or packing.Packed (per-token arrays then [U, M, R], in its slots)
     rewards: jax.Array  # [1, K, m, R] token-level rewards (scores and KL penalty)
     token_count: jax.Array  # [1]
     seq_count: jax.Array  # [1]
@@ -148,18 +150,32 @@ class ActorLoss:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     temperature: float = 1.0
+    lm_head_chunk_size: int | None = None  # actor.lm_head_chunk_size (see `response_terms`)
+    # Bypass mode's rollout correction, made in the loss (`_policy_loss`); None otherwise.
+    rollout_correction: core_algos.RolloutCorrection | None = None
 
     @classmethod
-    def from_config(cls, actor, temperature: float) -> ActorLoss:
-        """From `actor_rollout_ref.actor` and the rollout temperature."""
+    def from_config(cls, actor, temperature: float, rollout_correction=None) -> ActorLoss:
+        """From `actor_rollout_ref.actor`, the rollout temperature and
+        `algorithm.rollout_correction` (it matters to the loss in bypass mode only)."""
+        bypass = rollout_correction is not None and rollout_correction.bypass_mode
         return cls(
+            rollout_correction=(core_algos.RolloutCorrection.from_config(rollout_correction)
+                                if bypass else None),
             loss_mode=actor.policy_loss.loss_mode,
             policy=core_algos.PolicyLossConfig(
                 clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low,
-                clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c),
+                clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
+                tau_pos=actor.tau_pos, tau_neg=actor.tau_neg,
+                clip_cov_ratio=actor.policy_loss.clip_cov_ratio,
+                clip_cov_lb=actor.policy_loss.clip_cov_lb,
+                clip_cov_ub=actor.policy_loss.clip_cov_ub,
+                kl_cov_ratio=actor.policy_loss.kl_cov_ratio,
+                ppo_kl_coef=actor.policy_loss.ppo_kl_coef, dro_beta=actor.policy_loss.dro_beta),
             loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
             use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
             kl_loss_type=actor.kl_loss_type, temperature=temperature,
+            lm_head_chunk_size=actor.lm_head_chunk_size,
         )
 
 
@@ -284,6 +300,31 @@ def response_logits(model: Model, params, seqs: Sequences, temperature: float = 
     return logits_bwv / temperature
 
 
+def response_terms(model: Model, params, seqs: Sequences, temperature: float = 1.0,
+                   chunk_size: int | None = None, *, with_entropy: bool = True,
+                   entropy_grad: bool = False):
+    """Log-probs of the targets and their entropy, `[B, W]` each (entropy None without
+    `with_entropy`; no gradient through it without `entropy_grad`).
+
+    `chunk_size` (`lm_head_chunk_size`: tokens a device puts through the LM head at once,
+    0 off, None automatic; `head.chunk_positions`) picks the chunked head, which never
+    builds the float32 logits of the whole micro-batch (`head.model_token_terms`); else
+    they come from the full logits."""
+    chunk = head.chunk_positions(chunk_size, model, seqs.targets.shape)
+    if chunk:
+        logp, ent = head.model_token_terms(
+            model, params, seqs.input_ids, seqs.positions, seqs.segment_ids, seqs.head_slice,
+            seqs.targets, chunk=chunk, temperature=temperature, with_entropy=with_entropy,
+            entropy_grad=entropy_grad)
+        return logp, (ent if with_entropy else None)
+    logits = response_logits(model, params, seqs, temperature)
+    logp = core_algos.logprobs_from_logits(logits, seqs.targets)
+    if not with_entropy:
+        return logp, None
+    ent_logits = logits if entropy_grad else jax.lax.stop_gradient(logits)
+    return logp, core_algos.entropy_from_logits(ent_logits)
+
+
 def response_values(model: Model, params, seqs: Sequences):
     """Values of the state before each target token, zero outside the loss mask: [B, W]."""
     values_bw = model.forward(params, seqs.input_ids, head_slice=seqs.head_slice,
@@ -292,11 +333,12 @@ def response_values(model: Model, params, seqs: Sequences):
 
 
 def log_probs_step(params, seqs: Sequences, *, model: Model, temperature: float,
-                   with_entropy: bool = False):
+                   with_entropy: bool = False, lm_head_chunk_size: int | None = None):
     """Log-probs (and entropy) of the responses, micro-batched over the leading axis.
 
     Args:
       seqs: arrays `[K, m, ...]`; K chunks run one after another (bounds activation memory).
+      lm_head_chunk_size: the role's `lm_head_chunk_size` (`response_terms`).
     Returns:
       log_probs `[K, m, R]` (and entropy `[K, m, R]` if `with_entropy`).
     """
@@ -304,11 +346,9 @@ def log_probs_step(params, seqs: Sequences, *, model: Model, temperature: float,
     params = model.split_layers(params)  # once, not per chunk
 
     def one(chunk: Sequences):
-        logits = response_logits(model, params, chunk, temperature)
-        logp = core_algos.logprobs_from_logits(logits, chunk.responses)
-        if with_entropy:
-            return logp, core_algos.entropy_from_logits(logits)
-        return logp
+        logp, ent = response_terms(model, params, chunk, temperature, lm_head_chunk_size,
+                                   with_entropy=with_entropy, entropy_grad=True)
+        return (logp, ent) if with_entropy else logp
 
     return jax.lax.map(one, seqs)
 
@@ -319,33 +359,114 @@ def values_step(params, seqs: Sequences, *, model: Model):
     return jax.lax.map(lambda chunk: response_values(model, params, chunk), seqs)
 
 
+def gather_slots(x_rows, where, micro=None, k=None):
+    """Per-token values of packed rows `[..., W]` -> the slots `[M, R]` of their sequences
+    (`packing.Packed.where`), 0 off the responses. With `micro` and `k`, `x_rows` are the
+    rows of micro-batch k alone, and the slots of other micro-batches get 0."""
+    flat = x_rows.reshape(-1)
+    n = flat.shape[0]
+    if k is None:
+        idx = jnp.where(where >= 0, where, n)
+    else:
+        idx = jnp.where((where >= 0) & (micro[:, None] == k), where - k * n, n)
+    return jnp.take(flat, idx, mode="fill", fill_value=0)
+
+
+def in_micro(packed, k):
+    """`[M, 1]` 1 on the slots whose sequence is in micro-batch k."""
+    return (packed.micro == k)[:, None].astype(packed.response_mask.dtype)
+
+
+def _packed_map(fn, packed, zeros):
+    """`fn(rows)` over the micro-batches of `packed` (rows `[K, dp, T]`), skipping those no
+    rank fills; results stacked `[K, ...]`."""
+    def one(xs):
+        rows, on = xs
+        return jax.lax.cond(on, fn, lambda _: zeros, rows)
+
+    return jax.lax.map(one, (packed.rows, packed.active))
+
+
+def packed_log_probs_step(params, packed, *, model: Model, temperature: float,
+                          lm_head_chunk_size: int | None = None):
+    """`log_probs_step` on packed rows: log-probs `[M, R]` in the group's slots."""
+    params = model.split_layers(params)
+    rows = packed.rows
+    zeros = jnp.zeros(rows.targets.shape[1:], jnp.float32)
+    fn = lambda chunk: response_terms(model, params, chunk, temperature, lm_head_chunk_size,
+                                      with_entropy=False)[0].astype(jnp.float32)
+    return gather_slots(_packed_map(fn, packed, zeros), packed.where)
+
+
+def packed_values_step(params, packed, *, model: Model):
+    """`values_step` on packed rows: values `[M, R]` in the group's slots."""
+    params = model.split_layers(params)
+    zeros = jnp.zeros(packed.rows.targets.shape[1:], jnp.float32)
+    fn = lambda chunk: response_values(model, params, chunk).astype(jnp.float32)
+    return gather_slots(_packed_map(fn, packed, zeros), packed.where)
+
+
 # ------------------------------------------------------------------------------------ updates
 
 
-def _actor_micro_loss(params, mb, token_count, seq_count, *, model: Model, loss: ActorLoss):
-    seqs, old_logp, adv, ref_logp = mb
-    mask = seqs.response_mask
-    logits = response_logits(model, params, seqs, loss.temperature)
-    logp = core_algos.logprobs_from_logits(logits, seqs.responses)
+def _token_terms(model: Model, params, seqs: Sequences, loss: ActorLoss):
+    """Log-probs of the targets and their entropy over the window, `[B, W]` each. With no
+    entropy bonus the entropy is a metric only: no backward pass through it."""
+    return response_terms(model, params, seqs, loss.temperature, loss.lm_head_chunk_size,
+                          entropy_grad=bool(loss.entropy_coeff))
+
+
+def _policy_loss(logp, mask, old_logp, adv, denoms, loss: ActorLoss, rollout_is_weights):
+    """The registered policy loss (IS weights applied), or in bypass mode verl's bypass
+    loss, corrected against the current policy; `(pg_loss, metrics with their prefixes)`."""
+    policy_loss = functools.partial(core_algos.get_policy_loss(loss.loss_mode),
+                                    config=loss.policy)
+    if loss.rollout_correction is None:
+        pg_loss, pg_metrics = policy_loss(old_logp, logp, adv, mask,
+                                          loss_agg_mode=loss.loss_agg_mode,
+                                          rollout_is_weights=rollout_is_weights, **denoms)
+        return pg_loss, {f"actor/{k}": v for k, v in pg_metrics.items()}
+    pg_loss, pg_metrics, corr_metrics = core_algos.compute_policy_loss_bypass_mode(
+        old_logp, logp, adv, mask, correction=loss.rollout_correction,
+        ppo_clip_loss=policy_loss, loss_agg_mode=loss.loss_agg_mode, **denoms)
+    return pg_loss, {**{f"actor/{k}": v for k, v in pg_metrics.items()}, **corr_metrics}
+
+
+def _actor_objective(logp, entropy, mask, old_logp, adv, ref_logp, token_count, seq_count,
+                     loss: ActorLoss, rollout_is_weights=None):
+    """The actor's loss from per-token terms `[S, R]` of whole sequences (one a row)."""
     denoms = dict(global_token_count=token_count, global_seq_count=seq_count)
-    pg_loss, pg_metrics = core_algos.get_policy_loss(loss.loss_mode)(
-        old_logp, logp, adv, mask, config=loss.policy, loss_agg_mode=loss.loss_agg_mode,
-        **denoms,
-    )
-    # With no entropy bonus the entropy is a metric only: no backward pass through it.
-    ent_logits = logits if loss.entropy_coeff else jax.lax.stop_gradient(logits)
-    entropy = core_algos.agg_loss(
-        core_algos.entropy_from_logits(ent_logits), mask, loss.loss_agg_mode, **denoms
-    )
+    pg_loss, pg_metrics = _policy_loss(logp, mask, old_logp, adv, denoms, loss,
+                                       rollout_is_weights)
+    entropy = core_algos.agg_loss(entropy, mask, loss.loss_agg_mode, **denoms)
     total = pg_loss - loss.entropy_coeff * entropy
     metrics = {"actor/pg_loss": pg_loss, "actor/entropy": entropy}
-    metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
+    metrics.update(pg_metrics)
     if loss.use_kl_loss:
         kl = core_algos.kl_penalty(logp, ref_logp, loss.kl_loss_type)
         kl_loss = core_algos.agg_loss(kl, mask, loss.loss_agg_mode, **denoms)
         total = total + loss.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = kl_loss
     return total, metrics
+
+
+def _actor_micro_loss(params, mb, token_count, seq_count, *, model: Model, loss: ActorLoss):
+    seqs, old_logp, adv, ref_logp, is_weights = mb
+    logp, entropy = _token_terms(model, params, seqs, loss)
+    return _actor_objective(logp, entropy, seqs.response_mask, old_logp, adv, ref_logp,
+                            token_count, seq_count, loss, rollout_is_weights=is_weights)
+
+
+def _actor_packed_micro_loss(params, mb, token_count, seq_count, *, model: Model,
+                             loss: ActorLoss):
+    """`_actor_micro_loss` on micro-batch k of packed rows: the rows' per-token terms are
+    gathered into the slots of the group, the slots of other micro-batches masked out."""
+    rows, k, (packed, old_logp, adv, ref_logp, is_weights) = mb
+    logp, entropy = _token_terms(model, params, rows, loss)
+    slot = functools.partial(gather_slots, where=packed.where, micro=packed.micro, k=k)
+    mask = packed.response_mask * in_micro(packed, k)
+    return _actor_objective(slot(logp), slot(entropy), mask, old_logp, adv, ref_logp,
+                            token_count, seq_count, loss, rollout_is_weights=is_weights)
 
 
 def _value_loss(vpreds, returns, old_values, mask, token_count, seq_count, loss: CriticLoss):
@@ -383,6 +504,28 @@ def _critic_rollout_micro_loss(params, mb, token_count, seq_count, *, model: Mod
     return vf_loss, (metrics, (values, adv, returns))
 
 
+def _critic_packed_micro_loss(params, mb, token_count, seq_count, *, model: Model,
+                              loss: CriticLoss):
+    rows, k, (packed, old_values, returns) = mb
+    vpreds = gather_slots(response_values(model, params, rows), packed.where, packed.micro, k)
+    mask = packed.response_mask * in_micro(packed, k)
+    return _value_loss(vpreds, returns, old_values, mask, token_count, seq_count, loss)
+
+
+def _critic_packed_rollout_micro_loss(params, mb, token_count, seq_count, *, model: Model,
+                                      loss: CriticLoss, gamma: float, lam: float):
+    """`_critic_rollout_micro_loss` on micro-batch k of packed rows; its outputs hold the
+    slots of micro-batch k (0 elsewhere), so they add up over the micro-batches."""
+    rows, k, (packed, rewards) = mb
+    vpreds = gather_slots(response_values(model, params, rows), packed.where, packed.micro, k)
+    here = in_micro(packed, k)
+    mask = packed.response_mask * here
+    values = jax.lax.stop_gradient(vpreds)
+    adv, returns = core_algos.compute_gae_return(rewards * here, values, mask, gamma, lam)
+    vf_loss, metrics = _value_loss(vpreds, returns, values, mask, token_count, seq_count, loss)
+    return vf_loss, (metrics, (values, adv * here, returns * here))
+
+
 def _update(state: TrainState, micro_batches, counts, *, model: Model, micro_loss, tx,
             schedule, grad_clip: float, prefix: str, with_outputs: bool = False,
             trainable: Trainable = ALL_TRAINABLE):
@@ -390,7 +533,14 @@ def _update(state: TrainState, micro_batches, counts, *, model: Model, micro_los
 
     Only `trainable`'s part of the parameters is differentiated and updated.
     `with_outputs`: `micro_loss`'s aux is `(metrics, outputs)`, and the outputs of every
-    micro-batch come back stacked `[U, K, ...]` as a third result."""
+    micro-batch come back stacked `[U, K, ...]` as a third result (packed: `[U, ...]`, the
+    sum of the micro-batches', each of which fills its own slots).
+
+    `micro_batches` is `(Sequences [U, K, m, ...], per-token arrays [U, K, m, R]...)` or,
+    packed, `(packing.Packed [U, ...], per-token arrays in its slots [U, M, R]...)`; the
+    micro loss gets one micro-batch, resp. `(rows of micro-batch k, k, the group)`."""
+
+    packed = isinstance(micro_batches[0], Packed)
 
     def one_update(state: TrainState, xs):
         mbs, token_count, seq_count = xs
@@ -402,18 +552,32 @@ def _update(state: TrainState, micro_batches, counts, *, model: Model, micro_los
         grad_fn = jax.value_and_grad(loss_of_trainable, has_aux=True)
         params = model.split_layers(train)
 
-        def accumulate(carry, mb):
-            grads, metrics = carry
+        def grads_of(mb):
             (_, aux), g = grad_fn(params, mb, token_count, seq_count)
             m, out = aux if with_outputs else (aux, None)
+            return g, m, out
+
+        if packed:  # micro-batch k: its rows, k, and the group's slots (whole)
+            group = mbs
+            micro_xs = (group[0].rows, group[0].active, jnp.arange(group[0].active.shape[0]))
+            as_mb = lambda xs: (xs[0], xs[2], group)
+        else:
+            micro_xs, as_mb = mbs, lambda xs: xs
+        first = as_mb(jax.tree.map(lambda x: x[0], micro_xs))
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                             jax.eval_shape(grads_of, first))
+
+        def accumulate(carry, xs):
+            grads, metrics = carry
+            if packed:  # a micro-batch that no rank fills is skipped
+                g, m, out = jax.lax.cond(xs[1], grads_of, lambda _: zeros, as_mb(xs))
+            else:
+                g, m, out = grads_of(xs)
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, metrics, m)), out
 
-        zeros_g = jax.tree.map(jnp.zeros_like, params)
-        first = jax.tree.map(lambda x: x[0], mbs)
-        aux = jax.eval_shape(lambda: loss_of_trainable(params, first, token_count,
-                                                        seq_count)[1])
-        zeros_m = jax.tree.map(jnp.zeros_like, aux[0] if with_outputs else aux)
-        (grads, metrics), outputs = jax.lax.scan(accumulate, (zeros_g, zeros_m), mbs)
+        (grads, metrics), outputs = jax.lax.scan(accumulate, (zeros[0], zeros[1]), micro_xs)
+        if packed and with_outputs:  # each micro-batch filled its own slots
+            outputs = jax.tree.map(lambda x: jnp.sum(x, axis=0), outputs)
         grads = model.stack_layers(grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
@@ -442,8 +606,11 @@ def _update(state: TrainState, micro_batches, counts, *, model: Model, micro_los
 def actor_update(state: TrainState, batch: ActorBatch, *, model: Model, loss: ActorLoss,
                  optim: OptimConfig, trainable: Trainable = ALL_TRAINABLE):
     """PPO actor update: clip + dual clip + entropy + optional KL loss -> (state, metrics)."""
-    micro_loss = functools.partial(_actor_micro_loss, model=model, loss=loss)
-    mbs = (batch.seqs, batch.old_log_probs, batch.advantages, batch.ref_log_probs)
+    micro_loss = functools.partial(
+        _actor_packed_micro_loss if isinstance(batch.seqs, Packed) else _actor_micro_loss,
+        model=model, loss=loss)
+    mbs = (batch.seqs, batch.old_log_probs, batch.advantages, batch.ref_log_probs,
+           batch.rollout_is_weights)
     updates = batch.token_count.shape[0]  # U optimizer updates make one training step
     state, metrics = _update(
         state, mbs, (batch.token_count, batch.seq_count), model=model, micro_loss=micro_loss,
@@ -458,7 +625,9 @@ def actor_update(state: TrainState, batch: ActorBatch, *, model: Model, loss: Ac
 def critic_update(state: TrainState, batch: CriticBatch, *, model: Model, loss: CriticLoss,
                   optim: OptimConfig, trainable: Trainable = ALL_TRAINABLE):
     """Clipped value-loss update of the critic. Returns (state, metrics)."""
-    micro_loss = functools.partial(_critic_micro_loss, model=model, loss=loss)
+    micro_loss = functools.partial(
+        _critic_packed_micro_loss if isinstance(batch.seqs, Packed) else _critic_micro_loss,
+        model=model, loss=loss)
     mbs = (batch.seqs, batch.values, batch.returns)
     updates = batch.token_count.shape[0]
     return _update(
@@ -487,8 +656,9 @@ def critic_update_from_rollout(state: TrainState, batch: CriticRolloutBatch, *, 
     if batch.token_count.shape[0] != 1:
         raise ValueError("critic_update_from_rollout makes exactly one optimizer update, "
                          f"got a batch of {batch.token_count.shape[0]}")
-    micro_loss = functools.partial(_critic_rollout_micro_loss, model=model, loss=loss,
-                                   gamma=gamma, lam=lam)
+    micro_loss = functools.partial(
+        _critic_packed_rollout_micro_loss if isinstance(batch.seqs, Packed)
+        else _critic_rollout_micro_loss, model=model, loss=loss, gamma=gamma, lam=lam)
     return _update(
         state, (batch.seqs, batch.rewards), (batch.token_count, batch.seq_count), model=model,
         micro_loss=micro_loss, tx=make_optimizer(optim, 1), schedule=step_schedule(optim, 1),

@@ -18,12 +18,25 @@ from __future__ import annotations
 import functools
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 
-from rlhf_jax import batching, distributed, offload, paths, ppo, roles, sft, tasks
+from rlhf_jax import (
+    batching,
+    distributed,
+    dynamic_sampling,
+    offload,
+    packing,
+    paths,
+    ppo,
+    roles,
+    sft,
+    tasks,
+)
 from rlhf_jax import train_steps as ts
+from rlhf_jax import validation as val_metrics
 from rlhf_jax.checkpoint import Checkpointer
 from rlhf_jax.config import to_dict, to_yaml, validate_batch_arithmetic
 from rlhf_jax.core_algos import get_adv_estimator, get_kl_controller
@@ -33,7 +46,12 @@ from rlhf_jax.experience import Experience, experience_stages
 from rlhf_jax.hooks import StepInfo, trainer_hooks
 from rlhf_jax.metrics import Timer, data_metrics, peak_flops_per_device, step_perf
 from rlhf_jax.recovery import Recovery, RunState
-from rlhf_jax.rewards import load_custom_reward_fn, score_batch
+from rlhf_jax.rewards import (
+    Rewards,
+    load_custom_reward_fn,
+    score_batch_info,
+    with_overlong_penalty,
+)
 from rlhf_jax.rollback import RollbackWatch
 from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, reshard
 from rlhf_jax.tokenizer import load_tokenizer
@@ -53,6 +71,7 @@ class Trainer:
         self.actor_plan = batching.Plan.of(checked.actor, checked, a.ppo_epochs, a.shuffle)
         self.critic_plan = None if checked.critic is None else batching.Plan.of(
             checked.critic, checked, cfg.critic.ppo_epochs or a.ppo_epochs, cfg.critic.shuffle)
+        self.pack_budgets = packing.budgets(cfg, checked)  # token budgets (None: padded)
         if cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_penalty == "full":
             raise ConfigError("algorithm.kl_penalty: 'full' needs both policies' logits, which "
                               "the KL in the reward does not keep; use kl, abs, mse or low_var_kl")
@@ -88,6 +107,9 @@ class Trainer:
         # rollback checks (tests inject NaNs and spikes with it; no config key reaches it).
         self.fault_hook = None
         self.hooks = trainer_hooks(self)
+        from rlhf_jax import precompile  # the step's programs compile while the run starts
+
+        self.precompile = precompile.start(self)
 
     # ----------------------------------------------------------------------- run state
 
@@ -195,8 +217,13 @@ class Trainer:
 
     def _compile_steps(self, actor, critic):
         cfg = self.cfg
+        from rlhf_jax.rollout import memory  # the engine's slots under its memory budget
+
+        self.engine, self.rollout_budget = memory.budgeted(
+            self.engine, self.gen_params, cfg.actor_rollout_ref.rollout.gpu_memory_utilization)
         temperature = cfg.actor_rollout_ref.rollout.temperature
-        loss = ts.ActorLoss.from_config(cfg.actor_rollout_ref.actor, temperature)
+        loss = ts.ActorLoss.from_config(cfg.actor_rollout_ref.actor, temperature,
+                                        cfg.algorithm.rollout_correction)
         # Compiled for device memory; an offloaded opt_state comes there per call.
         state_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, actor))
         self.actor_update = offload.onloaded(jax.jit(
@@ -204,11 +231,24 @@ class Trainer:
                               optim=self.actor_optim),
             in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0,
         ), self.offload["actor"], "opt_state")
-        self.log_probs = offload.onloaded(jax.jit(
+        log_probs = lambda chunk_size: offload.onloaded(jax.jit(
             functools.partial(ts.log_probs_step, model=self.actor_model,
-                              temperature=temperature, with_entropy=False),
+                              temperature=temperature, with_entropy=False,
+                              lm_head_chunk_size=chunk_size),
             in_shardings=(state_sh.params, None),
         ), self.offload["ref"])
+        actor_chunk, ref_chunk = (r.lm_head_chunk_size for r in (cfg.actor_rollout_ref.actor,
+                                                                 cfg.actor_rollout_ref.ref))
+        self.log_probs = log_probs(actor_chunk)  # old log-probs (and ref's, when the same)
+        self.ref_log_probs = self.log_probs if ref_chunk == actor_chunk else log_probs(ref_chunk)
+        packed_log_probs = lambda chunk_size: offload.onloaded(jax.jit(
+            functools.partial(ts.packed_log_probs_step, model=self.actor_model,
+                              temperature=temperature, lm_head_chunk_size=chunk_size),
+            in_shardings=(state_sh.params, None),
+        ), self.offload["ref"])
+        self.packed_log_probs = packed_log_probs(actor_chunk)
+        self.packed_ref_log_probs = (self.packed_log_probs if ref_chunk == actor_chunk
+                                     else packed_log_probs(ref_chunk))
         if critic is not None:
             c, alg = cfg.critic, cfg.algorithm
             critic_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, critic))
@@ -225,6 +265,9 @@ class Trainer:
                 setattr(self, name, offload.onloaded(step, self.offload["critic"], "opt_state"))
             self.values = jax.jit(functools.partial(ts.values_step, model=self.critic_model),
                                   in_shardings=(critic_sh.params, None))
+            self.packed_values = jax.jit(
+                functools.partial(ts.packed_values_step, model=self.critic_model),
+                in_shardings=(critic_sh.params, None))
         self.peak_flops = peak_flops_per_device()
 
     # ---------------------------------------------------------------- experience stages
@@ -265,40 +308,99 @@ class Trainer:
                           np.asarray(out.rollout_log_probs))
 
     def score(self, batch, exp: Experience, n: int) -> np.ndarray:
-        texts = [
-            self.tokenizer.decode(r[: int(m.sum())].tolist())
-            for r, m in zip(exp.seqs.targets, exp.response_mask, strict=True)
-        ]
+        """float32 [B * n]: the reward each response of `exp` gets (`reward(...).scores`)."""
+        return self.reward(batch, exp, n).scores
+
+    def reward(self, batch, exp: Experience, n: int) -> Rewards:
+        """The responses' rewards: the reward function's scores and extra info, with DAPO's
+        overlong penalty (`reward_model.overlong_buffer`) when it is on."""
+        lengths = exp.response_mask.sum(-1)
+        texts = [self.tokenizer.decode(r[: int(k)].tolist())
+                 for r, k in zip(exp.seqs.targets, lengths, strict=True)]
         rep = lambda xs: [x for x in xs for _ in range(n)]
-        return score_batch(rep(batch.data_source), texts, rep(batch.ground_truth),
-                           rep(batch.extra_info), custom_fn=self.reward_fn)
+        rewards = score_batch_info(rep(batch.data_source), texts, rep(batch.ground_truth),
+                                   rep(batch.extra_info), custom_fn=self.reward_fn)
+        buf = self.cfg.reward_model.overlong_buffer
+        if not buf.enable:
+            return rewards
+        return with_overlong_penalty(
+            rewards, lengths, max_response_length=self.cfg.data.max_response_length,
+            buffer_len=buf.len, penalty_factor=buf.penalty_factor, log=buf.log)
 
     def _chunks(self, seqs: ts.Sequences):
         """The rows on the mesh as `[K, m, ...]` chunks for the forward passes."""
-        a = self.cfg.actor_rollout_ref
-        per_dev = (a.rollout.log_prob_micro_batch_size_per_device
-                   or a.actor.ppo_micro_batch_size_per_device)
         n = seqs.input_ids.shape[0]
+        per_dev = packing.forward_micro_per_device(self.cfg)
         chunk = min(per_dev * self.layouts.dp if per_dev else n, n)
         host = jax.tree.map(lambda x: batching.chunked(x, chunk), seqs)
         return batching.put(host, self.layouts.mesh, self.layouts.batch_axes, lead=1)
 
-    def make_experience(self, batch, state: RunState) -> Experience:
-        """Step `state.step`'s experience of `batch`: every field a stage fills, the
-        metrics of the stages and their times. Reads `state`, changes nothing."""
+    def _put_packed(self, packed: packing.Packed, lead: int) -> packing.Packed:
+        """Host `Packed` (with `lead` leading axes) onto the mesh: each rank's rows and
+        slots on its own devices."""
+        put = lambda x, n: batching.put(x, self.layouts.mesh, self.layouts.batch_axes, lead=n)
+        return packing.Packed(put(packed.rows, lead + 1),
+                              batching.replicated(packed.active, self.layouts.mesh),
+                              put(packed.where, lead), put(packed.micro, lead),
+                              put(packed.response_mask, lead))
+
+    def _pack(self, seqs: ts.Sequences, groups: np.ndarray, budget: int):
+        """`groups[U, M]` of the step's rows packed into rows of `budget` tokens a rank:
+        `(host Packed, slots[U, M])`."""
+        d = self.cfg.data
+        plan = packing.PackPlan(groups.shape[1], self.layouts.dp, budget, d.max_prompt_length,
+                                d.max_response_length)
+        return packing.pack(plan, seqs, groups)
+
+    def forward(self, name: str, params, seqs: ts.Sequences, chunks) -> Any:
+        """One forward pass over the step's sequences, `name` old (log-probs), ref or values:
+        `[N, R]`, padded (`chunks`, `chunks()` the padded rows on the mesh) or packed by the
+        pass's token budget (`pack_budgets`)."""
+        budget = self.pack_budgets[name]
+        if budget is None:
+            fn = getattr(self, {"old": "log_probs", "ref": "ref_log_probs"}.get(name, name))
+            return batching.unchunk(fn(params, chunks())).block_until_ready()
+        n = seqs.input_ids.shape[0]
+        host, slots = self._pack(seqs, np.arange(n)[None], budget)
+        one = self._put_packed(jax.tree.map(lambda x: x[0], host), lead=0)
+        fn = getattr(self, {"old": "packed_log_probs", "ref": "packed_ref_log_probs",
+                            "values": "packed_values"}[name])
+        return packing.from_slots(batching.fetch(fn(params, one))[None], slots, n)
+
+    def _sampled(self, batch, seed, timer: Timer) -> tuple[Experience, Rewards]:
+        """gen (and ReMax's gen_max) -> reward on `batch`: the scored experience and the
+        rewards it was scored with."""
         n = self.cfg.actor_rollout_ref.rollout.n
-        seed = jax.random.fold_in(jax.random.key(self.cfg.trainer.seed + 1), state.step)
-        timer = Timer()
         with timer("gen"):
             exp = self.generate(batch, n, self.sampling(), seed)
         if "reward_baselines" in self.estimator.needs:
             with timer("gen_max"):  # verl's ReMax: one greedy response per prompt
                 greedy = self.generate(batch, 1, self.sampling(greedy=True), seed)
         with timer("reward"):
-            exp = exp._replace(scores=self.score(batch, exp, n))
+            rewards = self.reward(batch, exp, n)
+            exp = exp._replace(scores=rewards.scores)
             if "reward_baselines" in self.estimator.needs:
                 exp = exp._replace(reward_baselines=np.repeat(self.score(batch, greedy, 1), n))
-        chunks = self._chunks(exp.seqs)
+        return exp, rewards
+
+    def make_experience(self, batch, state: RunState) -> Experience:
+        """Step `state.step`'s experience of `batch`: every field a stage fills, the
+        metrics of the stages and their times. Reads `state`, changes nothing, except that
+        DAPO's dynamic sampling (`algorithm.filter_groups`) draws more batches of prompts
+        from the train loader until enough groups pass (`step` records where it is)."""
+        n = self.cfg.actor_rollout_ref.rollout.n
+        seed = jax.random.fold_in(jax.random.key(self.cfg.trainer.seed + 1), state.step)
+        timer = Timer()
+        groups = self.cfg.algorithm.filter_groups
+        if groups.enable:  # generation batch k > 0 samples with its own key
+            sample = lambda b, k: self._sampled(b, jax.random.fold_in(seed, k) if k else seed,
+                                                timer)
+            exp = dynamic_sampling.fill(
+                sample, self._next_batch, batch, n=n, prompts=self.cfg.data.train_batch_size,
+                metric=groups.metric, max_num_gen_batches=groups.max_num_gen_batches)
+        else:
+            exp, _ = self._sampled(batch, seed, timer)
+        chunks = functools.cache(lambda: self._chunks(exp.seqs))  # padded passes only
         for stage in self.stages:
             if stage.name is None:
                 exp = stage.fn(state, exp, chunks)
@@ -309,13 +411,31 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ learn
 
-    def _arranged(self, plan: batching.Plan, order, exp: Experience, extra: dict):
-        host = jax.tree.map(lambda x: x[order], (exp.seqs, extra))
-        mask = host[0].loss_mask
-        token_count = mask.sum(axis=(1, 2, 3)).astype(np.float32)
-        seq_count = (mask.sum(-1) > 0).sum(axis=(1, 2)).astype(np.float32)
-        dev = batching.put(host, self.layouts.mesh, self.layouts.batch_axes, lead=2)
-        return dev, jax.numpy.asarray(token_count), jax.numpy.asarray(seq_count)
+    def _arranged(self, role: str, order, exp: Experience, extra: dict):
+        """A role's update batch on the mesh, `((seqs, extra), token_count, seq_count,
+        unarrange)`: the rows in the plan's `order` `[U, K, m, ...]`, or (packed) each
+        mini-batch `order[u]` packed by the role's token budget, `extra` in its slots;
+        `unarrange(x)` takes an output of one update back to the rollout's row order."""
+        budget, n = self.pack_budgets[role], exp.seqs.input_ids.shape[0]
+        put = lambda x, lead: batching.put(x, self.layouts.mesh, self.layouts.batch_axes,
+                                           lead=lead)
+        if budget is None:
+            host = jax.tree.map(lambda x: x[order], (exp.seqs, extra))
+            mask = host[0].loss_mask
+            token_count = mask.sum(axis=(1, 2, 3))
+            seq_count = (mask.sum(-1) > 0).sum(axis=(1, 2))
+            dev = put(host, 2)
+            unarrange = lambda x: batching.unarrange(x, order)
+        else:
+            packed, slots = self._pack(exp.seqs, order.reshape(order.shape[0], -1), budget)
+            mask = packed.response_mask
+            token_count = mask.sum(axis=(1, 2))
+            seq_count = (mask.sum(-1) > 0).sum(axis=1)
+            dev = (self._put_packed(packed, lead=1),
+                   put(jax.tree.map(lambda x: np.asarray(x)[slots], extra), 1))
+            unarrange = lambda x: packing.from_slots(x, slots, n)
+        count = lambda x: jax.numpy.asarray(x.astype(np.float32))
+        return dev, count(token_count), count(seq_count), unarrange
 
     def _update_critic(self, state: RunState, exp: Experience):
         """The critic's update; with `values_in_update` it also fills the values and the
@@ -324,15 +444,15 @@ class Trainer:
         order = plan.order(self.cfg.trainer.seed * 7919 + state.step)
         if not self.values_in_update:
             extra = {"values": batching.fetch(exp.values), "returns": exp.returns}
-            (seqs, ex), tok, sq = self._arranged(plan, order, exp, extra)
+            (seqs, ex), tok, sq, _ = self._arranged("critic", order, exp, extra)
             critic, m = self.critic_update(
                 state.critic, ts.CriticBatch(seqs, ex["values"], ex["returns"], tok, sq))
             return state._replace(critic=critic), exp, jax.device_get(m)
         extra = {"rewards": batching.fetch(exp.token_rewards)}
-        (seqs, ex), tok, sq = self._arranged(plan, order, exp, extra)
+        (seqs, ex), tok, sq, unarrange = self._arranged("critic", order, exp, extra)
         critic, m, outs = self.critic_update_from_rollout(
             state.critic, ts.CriticRolloutBatch(seqs, ex["rewards"], tok, sq))
-        values, adv, returns = (batching.unarrange(x, order) for x in batching.fetch(outs))
+        values, adv, returns = (unarrange(x) for x in batching.fetch(outs))
         mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
         adv = batching.fetch(ppo.whiten(adv, mask))
         exp = exp._replace(values=values, advantages=adv, returns=returns)
@@ -345,9 +465,12 @@ class Trainer:
         ref = batching.fetch(exp.ref_log_probs) if exp.ref_log_probs is not None \
             else np.zeros_like(old)
         extra = {"old": old, "adv": exp.advantages, "ref": ref}
-        (seqs, ex), tok, sq = self._arranged(plan, order, exp, extra)
+        if exp.rollout_is_weights is not None:  # rollout correction's IS weights
+            extra["is_weights"] = exp.rollout_is_weights
+        (seqs, ex), tok, sq, _ = self._arranged("actor", order, exp, extra)
         actor, m = self.actor_update(
-            state.actor, ts.ActorBatch(seqs, ex["old"], ex["adv"], ex["ref"], tok, sq))
+            state.actor, ts.ActorBatch(seqs, ex["old"], ex["adv"], ex["ref"], tok, sq,
+                                       ex.get("is_weights")))
         return state._replace(actor=actor), jax.device_get(m)
 
     def learn(self, state: RunState, exp: Experience) -> tuple[RunState, dict]:
@@ -388,6 +511,9 @@ class Trainer:
         state = self.state if state is None else state
         start = time.perf_counter()
         exp = self.make_experience(batch, state)
+        if self.cfg.algorithm.filter_groups.enable:  # the loader after the batches it drew
+            state = state._replace(loader=self.train_loader.get_state(),
+                                   epoch=self.train_loader.epoch)
         state, metrics = self.learn(state, exp)
         metrics["timing_s/step"] = time.perf_counter() - start
         c = self.cfg
@@ -398,20 +524,26 @@ class Trainer:
         return state, {k: float(v) for k, v in metrics.items()}
 
     def validate(self) -> dict:
+        """val_kwargs.n responses per validation prompt: verl's `val-core/<source>/<var>/
+        mean@N, maj@N/mean, best@N/mean` and the `val-aux/...` rest (validation.py)."""
         if self.val_loader is None:
             return {}
         vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
-        sums: dict[str, list[float]] = {}
+        rep = lambda xs: [x for x in xs for _ in range(vk.n)]
+        sources, uids, lengths, infos = [], [], [], []
         seed = jax.random.key(self.cfg.trainer.seed + 2)
         for batch in self.val_loader:
             exp = self.generate(batch, vk.n, self.sampling(validate=True), seed)
-            scores = self.score(batch, exp, vk.n)
-            for src, s in zip([x for x in batch.data_source for _ in range(vk.n)], scores,
-                              strict=True):
-                sums.setdefault(src, []).append(float(s))
+            rewards = self.reward(batch, exp, vk.n)
+            infos.append((len(rewards.scores),
+                          {"reward": rewards.scores.tolist(), **rewards.info}))
+            sources += rep(batch.data_source)
+            uids += rep(batch.uid)
+            lengths.append(exp.response_mask.sum(-1))
         self.val_loader.set_state({**self.val_loader.get_state(), "epoch": 0, "step": 0})
-        return {f"val-core/{src}/reward/mean@{vk.n}": float(np.mean(v))
-                for src, v in sums.items()}
+        return {**val_metrics.validation_metrics(sources, uids, val_metrics.join_infos(infos)),
+                **val_metrics.response_length_metrics(sources, np.concatenate(lengths),
+                                                      self.cfg.data.max_response_length)}
 
     def sync_weights(self, params=None) -> None:
         """update_weights: the actor's parameters, train layout -> the engine's generate

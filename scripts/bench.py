@@ -1,4 +1,4 @@
-"""Benchmarks: `python scripts/bench.py [ppo|mfu|reshard|gae|decode|memory|rollout|all]`.
+"""Benchmarks: `python scripts/bench.py [ppo|packing|mfu|reshard|gae|decode|memory|rollout|all]`.
 
 Each name is a module `rlhf_jax/benchmarks/<name>.py` with `run() -> dict` of flat
 `"<name>.<metric>"` figures; `all` (the default) runs every such module. Every headline
@@ -7,12 +7,20 @@ figure is a ratio to a reference measured in the same run, on the same machine:
 - `ppo.tokens_per_s`, `ppo.flop_bound_ratio` (iteration FLOPs over measured matmul peak x
   seconds), `ppo.stage.<stage>` seconds: one PPO iteration of WORKLOAD.md, (1,1,1) mesh. With
   `--trl-python PYTHON` (an environment with torch, transformers and trl 1.12), also TRL's PPO
-  on the same workload, in turns with ours: `ppo.trl.*` and `ppo.ratio_to_trl`.
+  on the same workload, in turns with ours: `ppo.trl.*` and `ppo.ratio_to_trl`. Start-up:
+  `ppo.launch_to_first_step_seconds` and the launch's XLA compiles, `ppo.compile.seconds` (in
+  total), `ppo.compile.blocking_seconds` and `ppo.compile.seconds.<program>` (e.g.
+  `ppo.compile.seconds.actor_update`).
+- `packing.speedup`, `packing.tokens_per_s`, `packing.flop_bound_ratio` (real tokens): WORKLOAD.md's
+  workload 2 (variable lengths) on the real trainer, packed (verl's use_remove_padding +
+  use_dynamic_bsz) over padded to 128 + 512, in turns; `packing.compiles_after_warmup`.
 - `mfu.ratio`: train-step model FLOP/s over the measured f32 matmul peak.
 - `reshard.ratio_to_copy`: train -> generate layout seconds over a copy of the same bytes.
 - `gae.speedup`: verl's NumPy GAE loop seconds over the compiled GAE's.
 - `decode.ratio_to_bound`: KV-cache decode tokens/s over reading params + cache once a step.
 - `memory.ratio_to_ideal`: per-device training-state bytes over total / (fsdp x tensor).
+- `chunked_head.temp_bytes_ratio`, `chunked_head.time_ratio`: the actor update with the LM
+  head in chunks over the full-logits one (Qwen2.5-0.5B head, 2 layers, 4 x 2048 tokens).
 
 `--scale 0.5b` runs them on the Qwen2.5-0.5B architecture with bfloat16 compute at sizes for
 one accelerator, against a bfloat16 matmul peak (`--scale workload`, the default: WORKLOAD.md's

@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         # Several hosts (a TPU pod slice, JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
         # JAX_PROCESS_ID, SLURM): join them before jax starts; alone, this does nothing.
         importlib.import_module("rlhf_jax.distributed").initialize()
+        # JAX's persistent compilation cache (trainer.compilation_cache_dir): a second run
+        # of the same config loads its programs instead of compiling them.
+        compile_cache = importlib.import_module("rlhf_jax.compile_cache")
+        cache_dir = compile_cache.enable(cfg.trainer.compilation_cache_dir)
         try:  # lazy: jax loads only when training
             trainer = importlib.import_module("rlhf_jax.trainer")
         except ModuleNotFoundError as exc:
@@ -46,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print("error: the trainer is not built yet", file=sys.stderr)
             return 2
-        trainer.train(cfg)
+        with compile_cache.CompileLog() as log:
+            trainer.train(cfg)
+        print(f"compile: {log.summary()}; cache: {cache_dir or 'off'}")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

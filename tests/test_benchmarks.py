@@ -7,9 +7,10 @@ import math
 import re
 import sys
 
+import numpy as np
 import pytest
 
-from rlhf_jax.benchmarks import decode, gae, memory, mfu, ppo, reshard, rollout
+from rlhf_jax.benchmarks import decode, gae, memory, mfu, packing, ppo, reshard, rollout
 from rlhf_jax.errors import UserError
 
 
@@ -31,6 +32,13 @@ def test_ppo_small(values_in_update):
             assert out[f"ppo.stage.{stage}"] >= 0
     assert out["ppo.tokens_per_s"] > 0 and out["ppo.flop_bound_ratio"] > 0
     assert out["ppo.compiles_measured"] == 0  # every step compiled during the warm-up
+    # the launch's compiles, per program and in total
+    assert out["ppo.launch_to_first_step_seconds"] > 0 and out["ppo.compile.programs"] > 0
+    per_program = {k: v for k, v in out.items() if k.startswith("ppo.compile.seconds.")}
+    assert {"ppo.compile.seconds.actor_update", "ppo.compile.seconds.prefill"} <= set(
+        per_program)
+    assert sum(per_program.values()) == pytest.approx(out["ppo.compile.seconds"])
+    assert 0 <= out["ppo.compile.blocking_seconds"] <= out["ppo.compile.seconds"]
     assert out["ppo.trl_tokens_per_s_reference"] == ppo.TRL_TOKENS_PER_S
     assert out["ppo.bypass.tokens_per_s"] == pytest.approx(
         4 * 16 / out["ppo.bypass.seconds_per_iteration"])
@@ -178,7 +186,8 @@ def _bench_script():
 
 def test_bench_script_lists_every_benchmark():
     bench = _bench_script()
-    assert bench.available() == ["decode", "gae", "memory", "mfu", "ppo", "reshard", "rollout"]
+    assert bench.available() == ["chunked_head", "decode", "gae", "memory", "mfu", "packing",
+                                 "ppo", "reshard", "rollout"]
     assert bench.main(["nope"]) == 2
     assert bench.main(["gae", "--trl-python", sys.executable]) == 2  # TRL goes with ppo only
     assert bench.main(["ppo", "--trl-python", "/no/such/python"]) == 2  # one line, no traceback
@@ -286,3 +295,128 @@ def test_a_failed_benchmark_is_one_line_and_the_others_still_print(monkeypatch, 
     figures = json.loads(out)
     assert figures["gae.speedup"] == 21.0 and figures["gae.scale"] == "workload"
     assert figures["failed"] == ["memory"] and "memory.wall_seconds" not in figures
+
+
+@pytest.mark.slow  # two trainers compiled: ~35 s of CPU
+def test_packing_small():
+    """Workload 2 shrunk: both paths run, the packed one with verl's packing keys, and every
+    rollout stopped at the forced lengths (`TrainerPath.step` checks them, and the losses)."""
+    out = packing.run(small=True)
+    _finite(out, "packing.")
+    for path in packing.PATHS:
+        for part in ("seconds_per_iteration", "gen_seconds", "passes_seconds",
+                     "update_seconds"):
+            assert out[f"packing.{path}.{part}"] > 0
+    assert out["packing.tokens_per_s"] == pytest.approx(
+        out["packing.real_tokens_per_iteration"] / out["packing.packed.seconds_per_iteration"])
+    assert out["packing.speedup"] == pytest.approx(
+        out["packing.tokens_per_s"] / out["packing.padded_tokens_per_s"])
+    assert out["packing.flop_bound_ratio"] > 0 and out["packing.padded_tokens_per_iteration"] == 64
+    assert out["packing.compiles_after_warmup"] == 0  # every shape fixed by the warm-up
+
+
+def test_packing_figures_from_both_paths_in_turns():
+    """`packing._measure` on two fake paths: the order swaps every measured iteration, the
+    figures are medians of the measured ones, tokens count real tokens only."""
+    import types
+
+    from rlhf_jax.benchmarks.common import Scale, workload_model_config
+
+    calls = []
+
+    class Fake:
+        def __init__(self, name, seconds):
+            self.name, self.seconds, self.decode_steps = name, seconds, []
+            data = types.SimpleNamespace(train_batch_size=2, max_prompt_length=4,
+                                         max_response_length=8)
+            self.trainer = types.SimpleNamespace(actor_model=types.SimpleNamespace(
+                cfg=workload_model_config()), cfg=types.SimpleNamespace(data=data))
+
+        def step(self, k, lengths):
+            calls.append((self.name, k, tuple(lengths)))
+            self.decode_steps.append(float(max(lengths)))
+            t = self.seconds * (k + 1)
+            return {"gen": t / 2, "old_log_prob": t / 8, "ref": t / 8, "update_critic": t / 8,
+                    "update_actor": t / 8, "step": t}
+
+    prompt = np.array([[2, 3], [4, 1], [1, 1], [3, 3]])
+    response = np.array([[5, 6], [7, 8], [2, 2], [1, 4]])
+    paths = {"padded": Fake("padded", 3.0), "packed": Fake("packed", 1.0)}
+    out = packing._measure(paths, response, prompt, 1, 3, Scale("workload", peak_n=64), True)
+    assert [c[:2] for c in calls] == [("padded", 0), ("packed", 0), ("padded", 1), ("packed", 1),
+                                      ("packed", 2), ("padded", 2), ("padded", 3), ("packed", 3)]
+    assert calls[2][2] == (7, 8)  # iteration k's forced lengths
+    tokens = ((4 + 1 + 7 + 8) + (1 + 1 + 2 + 2) + (3 + 3 + 1 + 4)) / 3  # iterations 1..3
+    assert out["packing.real_tokens_per_iteration"] == pytest.approx(tokens)
+    assert out["packing.padded_tokens_per_iteration"] == 24
+    assert out["packing.packed.seconds_per_iteration"] == pytest.approx(3.0)  # median of 2, 3, 4
+    assert out["packing.padded.update_seconds"] == pytest.approx(9.0 / 4)
+    assert out["packing.packed.passes_seconds"] == pytest.approx(3.0 / 4)
+    assert out["packing.packed.gen_ms_per_decode_step"] == pytest.approx(1e3 * 1.5 / 4)
+    assert out["packing.speedup"] == pytest.approx(3.0)
+    assert out["packing.tokens_per_s"] == pytest.approx(tokens / 3.0)
+    assert out["packing.compiles_after_warmup"] == 0 and out["packing.measured_iterations"] == 3
+
+
+def test_packing_workload_is_workload_md(tmp_path):
+    """WORKLOAD.md's workload 2: prompts of 16..128 tokens, responses lognormal (median 96,
+    mean ~130) in 8..512, a config of 128 + 512 tokens; the packed path's keys are verl's."""
+    from rlhf_jax.benchmarks.common import workload_prompts
+    from rlhf_jax.data import PromptDataset, PromptLoader
+    from rlhf_jax.tokenizer import load_tokenizer
+
+    sizes = packing.SIZES["workload"]
+    p, r = packing.workload_lengths(7, **sizes)
+    assert p.shape == r.shape == (7, 32) and p.min() >= 16 and p.max() <= 128
+    assert r.min() >= 8 and r.max() <= 512 and 110 < r.mean() < 150
+    ids = workload_prompts(7, 32, 128)
+    cfg = packing.workload_config(tmp_path, ids, p, response_len=512, micro_batch=8,
+                                  overrides=packing.packed_overrides(1024))
+    d, arr = cfg.data, cfg.actor_rollout_ref
+    assert (d.train_batch_size, d.max_prompt_length, d.max_response_length) == (32, 128, 512)
+    assert arr.model.use_remove_padding and cfg.critic.model.use_remove_padding
+    assert arr.actor.use_dynamic_bsz and cfg.critic.use_dynamic_bsz
+    assert arr.actor.ppo_max_token_len_per_gpu == cfg.critic.forward_max_token_len_per_gpu == 1024
+    tok = load_tokenizer(arr.model.path)
+    assert tok.eos_token_ids == (1024,) and tok.pad_token_id == 0  # pad in the table
+    rows = PromptDataset(list(d.train_files), tok, max_prompt_length=128)
+    batch = PromptLoader(rows, 32, shuffle=False).batch_at(0, 0)
+    assert (batch.attention_mask.sum(-1) == p[0]).all()  # left-padded to 128, batch k = row k
+    assert (batch.input_ids[0, -p[0, 0]:] == ids[0, 0, :p[0, 0]]).all()
+
+
+def test_forced_lengths_stop_each_request_there():
+    """The benchmark's forced EOS: `generate_sequences(max_lengths=...)` stops request i after
+    exactly max_lengths[i] tokens, its tokens and log-probs those of the unlimited rollout
+    (same keys), with slots refilled from a queue (3 slots, 8 requests)."""
+    import jax
+
+    from rlhf_jax.errors import DataError
+    from rlhf_jax.mesh import load_mesh_spec, make_mesh
+    from rlhf_jax.models import Model, ModelConfig
+    from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    spec = load_mesh_spec("single")
+    mesh, model = make_mesh(spec), Model(cfg)
+    engine = Engine(model, mesh, spec.generate_rules, max_concurrent_decodes=3,
+                    max_prefill_length=4, max_decode_length=6, prefill_buckets=[4],
+                    compiler_options={"xla_backend_optimization_level": 0})
+    params = engine.load_params(rng=jax.random.key(0))
+    ids = np.arange(16, dtype=np.int32).reshape(4, 4) % 29 + 3
+    mask = np.ones_like(ids)
+    sampling = SamplingParams(max_response_length=6, eos_ids=(32,), pad_id=0)
+    full = generate_sequences(engine, params, ids, mask, n=2, sampling=sampling, rng=5)
+    limits = np.array([1, 6, 2, 5, 3, 4, 6, 1])
+    cut = generate_sequences(engine, params, ids, mask, n=2, sampling=sampling, rng=5,
+                             max_lengths=limits)
+    assert (full.response_lengths == 6).all() and (cut.response_lengths == limits).all()
+    keep = np.arange(6)[None] < limits[:, None]
+    assert (cut.response_mask == keep).all()
+    assert (cut.responses == np.where(keep, full.responses, 0)).all()
+    np.testing.assert_allclose(cut.rollout_log_probs, np.where(keep, full.rollout_log_probs, 0))
+    with pytest.raises(DataError, match=r"max_lengths must be 8 \(B\*n\) response lengths in "
+                                        r"\[1, 6\], got shape \(8,\)"):
+        generate_sequences(engine, params, ids, mask, n=2, sampling=sampling,
+                           max_lengths=limits + 1)

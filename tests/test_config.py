@@ -24,6 +24,7 @@ from rlhf_jax.config import (
     to_yaml,
     validate_batch_arithmetic,
 )
+from rlhf_jax.core_algos import adv_estimator_names
 from rlhf_jax.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +55,7 @@ def run_script(*args: str, importtime: bool = False) -> subprocess.CompletedProc
     (["algorithm.kl_ctrl.type=adaptiv"],
      "algorithm.kl_ctrl.type: 'adaptiv' is not one of fixed, adaptive"),
     (["algorithm.adv_estimator=ppo"],  # the names registered in core_algos.registry
-     "algorithm.adv_estimator: 'ppo' is not one of gae, grpo, rloo, reinforce_plus_plus, "
-     "reinforce_plus_plus_baseline, remax"),
+     "algorithm.adv_estimator: 'ppo' is not one of " + ", ".join(adv_estimator_names())),
     (["actor_rollout_ref.model.path=null"], "actor_rollout_ref.model.path is required"),
     (["--config", "configs/no_such.yaml"], "config file not found: configs/no_such.yaml"),
     (["foo"], "no '=' in override 'foo' (expected key.path=value)"),
@@ -165,8 +165,8 @@ def test_bypass_mode_needs_plain_sampling(override):
     with pytest.raises(ConfigError, match=r"^algorithm.rollout_correction.bypass_mode: needs "
                                           r"plain sampling \(actor_rollout_ref.rollout"):
         minimal("algorithm.rollout_correction.bypass_mode=true", override)
-    with pytest.raises(ConfigError, match="only bypass_mode is implemented"):
-        minimal("algorithm.rollout_correction.rollout_is=token")
+    with pytest.raises(ConfigError, match="removed from verl's rollout correction"):
+        minimal("algorithm.rollout_correction.rollout_token_veto_threshold=1e-4")
 
 
 def test_scan_layers_reaches_the_models(tmp_path):
@@ -260,10 +260,12 @@ def test_mesh_string_dict_and_sizes(tmp_path):
     ("actor_rollout_ref.rollout.temperature=0", "rollout.temperature: must be > 0 when do_sample"),
     ("actor_rollout_ref.rollout.top_p=0", "rollout.top_p: must be in (0, 1]"),
     ("critic.enable=false", "critic.enable: algorithm.adv_estimator=gae needs a critic"),
-    ("algorithm.adv_estimator=3", "algorithm.adv_estimator: expected one of gae, grpo, rloo, "
-     "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, got int 3"),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-     "actor_rollout_ref.actor.policy_loss.loss_mode: 'gspo' is not one of vanilla"),
+    ("algorithm.adv_estimator=3", "algorithm.adv_estimator: expected one of "
+     + ", ".join(adv_estimator_names()) + ", got int 3"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspox",
+     "actor_rollout_ref.actor.policy_loss.loss_mode: 'gspox' is not one of vanilla, "),
+    ("algorithm.adv_estimator=optimal_token_baseline",
+     "algorithm.adv_estimator: 'optimal_token_baseline' needs sum_pi_squared"),
     ("actor_rollout_ref.actor.policy_loss.mode=x",
      "did you mean 'actor_rollout_ref.actor.policy_loss.loss_mode'?"),
     ("actor_rollout_ref.actor.ppo_mini_batch_size=2048", "2048 prompts is more than"),
@@ -414,7 +416,6 @@ def test_batch_arithmetic_rejects_a_bad_data_parallel_size():
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("actor_rollout_ref.model.use_remove_padding=true", "sequence packing is not implemented"),
     ("actor_rollout_ref.rollout.calculate_log_probs=false", "always returns"),
     ("data.return_raw_chat=true", "raw chat"),
     ("data.reward_fn_key=source", "data_source column"),

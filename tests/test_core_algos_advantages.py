@@ -95,14 +95,14 @@ def ref_rloo(r, m, index):
 
 
 def ref_rpp(r, m, gamma):
+    # verl after its fix #7278: a masked token has return 0 and the running return crosses it
     returns = np.zeros(r.shape)
     for i in range(r.shape[0]):
         running = 0.0
         for t in reversed(range(r.shape[1])):
-            running = r[i, t] + gamma * running
-            returns[i, t] = running
-            if not m[i, t]:
-                running = 0.0
+            if m[i, t]:
+                running = r[i, t] + gamma * running
+                returns[i, t] = running
     return ref_whiten(returns, m) * m, returns
 
 
@@ -255,7 +255,7 @@ def test_prefix_mask_check():
 def test_both_paths_match_numpy(monkeypatch, kind):
     # a 70-step batch in blocks of 4 (prefix path, 3 levels) and 8 (scan path): prefix masks,
     # masks with holes, and masks with leading zeros all match verl's loops (GAE, REINFORCE++);
-    # rewards are nonzero after the response too, where REINFORCE++'s return is the reward
+    # rewards are nonzero after the response too, where REINFORCE++'s return is 0
     from rlhf_jax.core_algos import advantages
 
     monkeypatch.setattr(advantages, "SUM_BLOCK", 4)
@@ -339,11 +339,11 @@ def test_grpo_rloo_hand_case():
 
 def test_reinforce_pp_and_remax_hand_case():
     # gamma .5, r = [1, 0, 2]: all valid -> G = [1 + .5*(0 + .5*2), 0 + .5*2, 2] = [1.5, 1, 2]
-    # mask [1, 1, 0]: G_2 = 2, then the running return restarts: G = [1, 0, 2]
+    # mask [1, 1, 0]: the masked token's return is 0 and its reward is dropped: G = [1, 0, 0]
     r = jnp.array([[1.0, 0.0, 2.0], [1.0, 0.0, 2.0]])
     m = jnp.array([[1, 1, 1], [1, 1, 0]])
     adv, ret = jax.jit(ca.compute_reinforce_plus_plus_outcome_advantage)(r, m, 0.5)
-    np.testing.assert_allclose(ret, [[1.5, 1.0, 2.0], [1.0, 0.0, 2.0]], rtol=1e-6)
+    np.testing.assert_allclose(ret, [[1.5, 1.0, 2.0], [1.0, 0.0, 0.0]], rtol=1e-6)
     vals = np.array([1.5, 1.0, 2.0, 1.0, 0.0])
     want = (np.asarray(ret) - vals.mean()) / vals.std(ddof=1) * np.asarray(m)
     np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)

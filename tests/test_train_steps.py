@@ -191,7 +191,7 @@ def test_entropy_enters_the_gradient_only_with_a_bonus():
     seqs, extra = _rollout()
     tok = jnp.asarray(seqs.response_mask.sum(), jnp.float32)
     sq = jnp.asarray((seqs.response_mask.sum(-1) > 0).sum(), jnp.float32)
-    mb = (seqs, extra["old"], extra["adv"], extra["ref"])
+    mb = (seqs, extra["old"], extra["adv"], extra["ref"], None)  # no IS weights
 
     def grad(coeff):
         loss = functools.partial(ts._actor_micro_loss, model=model,

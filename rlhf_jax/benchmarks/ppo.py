@@ -46,6 +46,17 @@ the rollout's values from that update's forward pass, so there is no separate `v
   iterations (Linux `/proc/stat`; absent elsewhere): a slow run of a shared VM shows here.
 - `ppo.compiles_measured`: XLA compilations during the measured iterations (0 if every step
   compiles once).
+- `ppo.launch_to_first_step_seconds`: from building the `Trainer` (data, model, mesh,
+  engine) to the end of its first step, which waits for every program the step needs (the
+  trainer compiles them in a background thread from its construction on, `precompile`).
+- `ppo.compile.seconds` (XLA backend compiles in total), `ppo.compile.blocking_seconds` (on
+  the main thread: what the first step waited for), `ppo.compile.programs`,
+  `ppo.compile.cache_hits` (programs the persistent cache served: 0 unless the environment
+  turned it on, `JAX_COMPILATION_CACHE_DIR`), `ppo.compile.trace_seconds`,
+  `ppo.compile.lower_seconds` and `ppo.compile.seconds.<program>` (e.g.
+  `ppo.compile.seconds.actor_update`; programs of one name summed): the compiles of that
+  launch, from `jax.monitoring` events (`rlhf_jax.compile_cache.CompileLog`). The first
+  warm-up iteration is this first step.
 
 At `scale="0.5b"` (for one accelerator): the same iteration on the Qwen2.5-0.5B architecture
 (`actor_rollout_ref.model.override_config`) with bfloat16 compute, 64 prompts of 128 tokens,
@@ -80,6 +91,7 @@ from rlhf_jax.benchmarks.common import (
     workload_prompts,
 )
 from rlhf_jax.benchmarks.mfu import CompileCounter, matmul_peak_flops
+from rlhf_jax.compile_cache import CompileLog
 from rlhf_jax.config import load_config
 from rlhf_jax.errors import UserError
 from rlhf_jax.trainer import Trainer
@@ -274,9 +286,10 @@ def run(*, small: bool = False, scale="workload", warmup: int | None = None,
     iterations (see the module doc). `values_in_update`: `critic.values_in_update`.
     `overrides`: more `key=value` config overrides of both trainers (e.g.
     `actor_rollout_ref.rollout.max_concurrent_decodes=16` to try a rollout setting).
+    At least one warm-up iteration runs: the first is the launch's first step.
     """
     scale = get_scale(scale)
-    warmup = ITERATIONS[scale.name][0] if warmup is None else warmup
+    warmup = max(1, ITERATIONS[scale.name][0] if warmup is None else warmup)
     repeats = ITERATIONS[scale.name][1] if repeats is None else repeats
     if trl_python is not None:
         if scale.name != "workload":
@@ -293,7 +306,12 @@ def run(*, small: bool = False, scale="workload", warmup: int | None = None,
                  f"critic.values_in_update={str(values_in_update).lower()}", *overrides]
     with tempfile.TemporaryDirectory(prefix="rlhf_jax_bench_ppo_") as tmp:
         kw = dict(model=model, dtype=scale.dtype, micro_batch=sizes["micro_batch"])
-        main = Run(workload_config(pathlib.Path(tmp), prompts, **kw, overrides=overrides))
+        cfg = workload_config(pathlib.Path(tmp), prompts, **kw, overrides=overrides)
+        with CompileLog() as log:  # the launch: build, then the first warm-up step
+            t0 = time.perf_counter()
+            main = Run(cfg)
+            main.step(0)
+            launch = time.perf_counter() - t0
         bypass = Run(workload_config(pathlib.Path(tmp, "bypass"), prompts, **kw, overrides=[
             *overrides, "algorithm.rollout_correction.bypass_mode=true"]))
         try:
@@ -301,6 +319,8 @@ def run(*, small: bool = False, scale="workload", warmup: int | None = None,
         finally:
             main.close()
             bypass.close()
+    out["ppo.launch_to_first_step_seconds"] = launch
+    out.update(log.figures("ppo.compile"))
     return out
 
 
@@ -309,7 +329,8 @@ def _measure(main: Run, bypass: Run, warmup: int, repeats: int, rounds: int,
     counter = CompileCounter()
     records, bypassed, peaks, trl_runs, steal = [], [], [], [], [0, 0]
     for i in range(warmup):
-        main.step(i)
+        if i:  # run() made the first
+            main.step(i)
         bypass.step(i)
     for r in range(rounds):
         if trl_python is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf_jax.core_algos.registry import get_adv_estimator
+from rlhf_jax.core_algos.rollout_corr_spec import RolloutCorrection, SpecError
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.paths import MESHES_DIR
 
@@ -52,6 +53,9 @@ _RULES = (
         f"{_ARR}.rollout.max_concurrent_decodes",
         f"{_ARR}.rollout.log_prob_micro_batch_size_per_device",
         f"{_ARR}.rollout.val_kwargs.n", "critic.ppo_mini_batch_size",
+        f"{_ARR}.actor.ppo_max_token_len_per_gpu", f"{_ARR}.ref.log_prob_max_token_len_per_gpu",
+        f"{_ARR}.rollout.log_prob_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu",
+        "critic.forward_max_token_len_per_gpu",
         "critic.ppo_micro_batch_size_per_device", "critic.ppo_epochs",
         "reward_model.micro_batch_size_per_device", "algorithm.kl_ctrl.horizon",
         "trainer.total_epochs", "trainer.total_training_steps", "trainer.max_ckpt_to_keep",
@@ -61,6 +65,7 @@ _RULES = (
     *[(p, _GE0) for p in (
         "trainer.critic_warmup", "trainer.rollback.max_rollbacks",
         "trainer.sft_warmup.max_steps", f"{_ARR}.actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef",
+        f"{_ARR}.actor.lm_head_chunk_size", f"{_ARR}.ref.lm_head_chunk_size",
     )],
     ("trainer.save_freq", _FREQ),
     ("trainer.test_freq", _FREQ),
@@ -78,6 +83,7 @@ _RULES = (
     ("trainer.rollback.value_loss_spike", _rule(lambda v: v > 1, "must be > 1")),
     ("trainer.rollback.lr_factor", _rule(lambda v: 0 < v <= 1, "must be in (0, 1]")),
     ("trainer.sft_warmup.lr", _GT0),
+    (f"{_ARR}.rollout.gpu_memory_utilization", _rule(lambda v: 0 < v <= 1, "must be in (0, 1]")),
     ("trainer.sft_warmup.label_smoothing", _rule(lambda v: 0 <= v < 1, "must be in [0, 1)")),
     *[(f"{o}.{k}", r) for o in _OPTIMS for k, r in (
         ("lr", _GE0), ("weight_decay", _GE0), ("eps", _GT0), ("lr_warmup_steps_ratio", _UNIT),
@@ -97,11 +103,11 @@ _ONLY = (
     ("data.reward_fn_key", "data_source",
      "rewards are looked up by the data_source column (rlhf_jax.rewards.register_reward)"),
     ("data.return_raw_chat", False, "the rollout engine takes token ids, never the raw chat"),
-    (f"{_ARR}.model.use_remove_padding", False,
-     "sequence packing is not implemented yet; batches run padded"),
     (f"{_ARR}.rollout.calculate_log_probs", True,
      "the engine always returns the sampled tokens' log-probs (rollout_probs_diff, bypass)"),
     ("trainer.log_val_generations", 0, "validation generations are not logged yet"),
+    ("algorithm.filter_groups.max_inflight_gen_batches", 1,
+     "dynamic sampling generates one batch, scores and filters it, then the next"),
 )
 
 
@@ -129,13 +135,22 @@ def resolve(cfg: Config) -> dict[str, Any]:
         clip_ratio_low=_default(arr.actor.clip_ratio_low, arr.actor.clip_ratio),
         clip_ratio_high=_default(arr.actor.clip_ratio_high, arr.actor.clip_ratio),
     )
-    if (model, actor) != (arr.model, arr.actor):
-        out["actor_rollout_ref"] = dataclasses.replace(arr, model=model, actor=actor)
+    budget = lambda s: dataclasses.replace(
+        s, log_prob_use_dynamic_bsz=_default(s.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz),
+        log_prob_max_token_len_per_gpu=_default(s.log_prob_max_token_len_per_gpu,
+                                                actor.ppo_max_token_len_per_gpu))
+    ref, rollout = budget(arr.ref), budget(arr.rollout)
+    if (model, actor, ref, rollout) != (arr.model, arr.actor, arr.ref, arr.rollout):
+        out["actor_rollout_ref"] = dataclasses.replace(arr, model=model, actor=actor, ref=ref,
+                                                       rollout=rollout)
     new_critic = dataclasses.replace(
         critic,
         enable=_default(critic.enable, _needs_values(cfg)),
         ppo_mini_batch_size=_default(critic.ppo_mini_batch_size, actor.ppo_mini_batch_size),
         ppo_epochs=_default(critic.ppo_epochs, actor.ppo_epochs),
+        use_dynamic_bsz=_default(critic.use_dynamic_bsz, actor.use_dynamic_bsz),
+        forward_max_token_len_per_gpu=_default(critic.forward_max_token_len_per_gpu,
+                                               critic.ppo_max_token_len_per_gpu),
         model=dataclasses.replace(
             critic.model, tokenizer_path=_default(critic.model.tokenizer_path, model.tokenizer_path)
         ),
@@ -203,6 +218,77 @@ def _check_mini_batch(role: str, mini: int, cfg: Config) -> None:
               f"mini-batches of {mini} x {n} (both sizes count prompts)")
 
 
+def _check_dapo(cfg: Config) -> None:
+    """DAPO's keys: the overlong buffer fits in the response budget; dynamic sampling names
+    the metric it filters on."""
+    buf, path = cfg.reward_model.overlong_buffer, "reward_model.overlong_buffer"
+    if buf.enable:
+        if buf.len < 1:
+            _fail(f"{path}.len", f"must be >= 1 when {path}.enable is true, got {buf.len}")
+        if buf.len > cfg.data.max_response_length:
+            _fail(f"{path}.len", f"{buf.len} is more than data.max_response_length "
+                  f"{cfg.data.max_response_length}")
+        if buf.penalty_factor < 0:
+            _fail(f"{path}.penalty_factor", f"must be >= 0, got {buf.penalty_factor}")
+    groups, path = cfg.algorithm.filter_groups, "algorithm.filter_groups"
+    if groups.enable and not groups.metric:
+        _fail(f"{path}.metric", f"must be set when {path}.enable is true "
+              "(acc, score, seq_reward, seq_final_reward or a key the reward function returns)")
+    if groups.enable and groups.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        _fail(f"{path}.metric", "seq_final_reward with algorithm.use_kl_in_reward=true needs the "
+              "KL penalty before filtering, which runs after it here; use seq_reward")
+
+
+def _check_rollout_correction(cfg: Config) -> None:
+    """`algorithm.rollout_correction`: modes and thresholds parse (`RolloutCorrection`), and
+    the bypass-mode settings fit the rollout and the policy loss."""
+    rc, path = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    try:
+        RolloutCorrection.from_config(rc)
+    except SpecError as exc:
+        _fail(f"{path}.{exc.key}", exc.message)
+    rollout, loss_mode = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor.policy_loss
+    if rc.loss_type == "reinforce" and not rc.bypass_mode:
+        _fail(f"{path}.loss_type", "'reinforce' is bypass mode's loss; set bypass_mode=true "
+              "or loss_type=ppo_clip")
+    if rc.loss_type == "reinforce" and loss_mode.loss_mode != "vanilla":
+        _fail(f"{path}.loss_type", f"'reinforce' replaces {_ARR}.actor.policy_loss.loss_mode, "
+              f"which must then be vanilla (got {loss_mode.loss_mode!r})")
+    if rc.bypass_mode and (not rollout.do_sample or rollout.top_k > 0 or rollout.top_p < 1.0):
+        # The engine's log-probs are under the filtered (or greedy) sampling rule, not the
+        # tempered policy that the actor's loss compares them with.
+        _fail(f"{path}.bypass_mode",
+              f"needs plain sampling ({_ARR}.rollout.do_sample=true, top_k=-1, top_p=1.0), "
+              f"got do_sample={rollout.do_sample}, top_k={rollout.top_k}, "
+              f"top_p={rollout.top_p}")
+
+
+def _check_packing(cfg: Config) -> None:
+    """Token budgets need packing (a budget is filled by packed rows) and must hold the
+    longest sequence, max_prompt_length + max_response_length."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    roles = [(f"{_ARR}.model", arr.model.use_remove_padding, (
+        (f"{_ARR}.actor", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+        (f"{_ARR}.ref", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
+        (f"{_ARR}.rollout", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")))]
+    if critic.enable:
+        roles.append(("critic.model", critic.model.use_remove_padding, (
+            ("critic", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+            ("critic", "use_dynamic_bsz", "forward_max_token_len_per_gpu"))))
+    for model, packed, budgets in roles:
+        for role, flag, key in budgets:
+            if not _get(cfg, f"{role}.{flag}"):
+                continue
+            if not packed:
+                _fail(f"{role}.{flag}", f"token-budget micro-batches are packed rows here: set "
+                      f"{model}.use_remove_padding=true (or {flag}=false)")
+            budget = _get(cfg, f"{role}.{key}")
+            if budget < longest:
+                _fail(f"{role}.{key}", f"{budget} tokens is smaller than one sequence "
+                      f"(max_prompt_length + max_response_length = {longest})")
+
+
 def validate(cfg: Config) -> None:
     """Raises ConfigError (one line, naming the key) for the first rule the config breaks."""
     for path, (test, text) in _RULES:
@@ -222,15 +308,8 @@ def validate(cfg: Config) -> None:
         if sampling.do_sample and sampling.temperature <= 0:
             _fail(f"{path}.temperature", "must be > 0 when do_sample is true "
                   "(set do_sample=false for greedy decoding)")
-    rollout = arr.rollout
-    if cfg.algorithm.rollout_correction.bypass_mode and (
-            not rollout.do_sample or rollout.top_k > 0 or rollout.top_p < 1.0):
-        # The engine's log-probs are under the filtered (or greedy) sampling rule, not the
-        # tempered policy that the actor's loss compares them with.
-        _fail("algorithm.rollout_correction.bypass_mode",
-              f"needs plain sampling ({_ARR}.rollout.do_sample=true, top_k=-1, top_p=1.0), "
-              f"got do_sample={rollout.do_sample}, top_k={rollout.top_k}, "
-              f"top_p={rollout.top_p}")
+    _check_rollout_correction(cfg)
+    _check_packing(cfg)
     check_kl_kind(cfg.algorithm.kl_penalty, "algorithm.kl_penalty")
     check_kl_kind(arr.actor.kl_loss_type, f"{_ARR}.actor.kl_loss_type")
     _check_mini_batch(f"{_ARR}.actor", arr.actor.ppo_mini_batch_size, cfg)
@@ -239,6 +318,11 @@ def validate(cfg: Config) -> None:
     elif _needs_values(cfg):
         _fail("critic.enable", f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a "
               "critic")
+    if "sum_pi_squared" in get_adv_estimator(cfg.algorithm.adv_estimator).needs:
+        _fail("algorithm.adv_estimator", f"{cfg.algorithm.adv_estimator!r} needs sum_pi_squared "
+              "(sum over the vocabulary of pi^2 per token, verl's "
+              "actor.calculate_sum_pi_squared), which no pass computes yet; the pure function "
+              "is core_algos.compute_optimal_token_baseline_advantage")
     if not data.train_files:
         _fail("data.train_files", "must name at least one file")
     if data.val_files is None and (trainer.test_freq > 0 or trainer.val_before_train):
@@ -259,6 +343,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("reward_model.model.path is required when reward_model.enable is true")
     if not cfg.reward.custom_reward_function.name:
         _fail("reward.custom_reward_function.name", "must not be empty")
+    _check_dapo(cfg)
     if cfg.synthetic.task is not None:
         for key, files in (("train_files", data.train_files), ("val_files", data.val_files)):
             if files is not None and len(files) != 1:

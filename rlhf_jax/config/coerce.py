@@ -2,8 +2,10 @@
 
 The schema is the dataclass annotations themselves: `int`, `float`, `bool`, `str`, `X | None`,
 `Literal[...]` (an enum), `Annotated[str, OneOf(names)]` (an enum whose values a registry
-holds, asked at every check), `tuple[X, ...]` (a YAML list), `tuple[X, Y]` (a fixed-length list),
-`FrozenDict` (a free-form mapping) and nested dataclasses (sections).
+holds, asked at every check), `Annotated[str | float, NumberOrText()]` (verl's `str | float`
+keys: a number, or a string spec such as `"0.5_2.0"`), `tuple[X, ...]` (a YAML list),
+`tuple[X, Y]` (a fixed-length list), `FrozenDict` (a free-form mapping) and nested dataclasses
+(sections).
 """
 
 from __future__ import annotations
@@ -28,13 +30,11 @@ _VERL_HINTS = {
     "trainer.n_gpus_per_node": "devices come from the mesh: set mesh=<a preset in meshes/>",
     "trainer.nnodes": "devices come from the mesh: set mesh=<a preset in meshes/>",
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "set mesh.tensor",
-    "actor_rollout_ref.rollout.gpu_memory_utilization": "the KV cache is sized by "
-    "actor_rollout_ref.rollout.max_concurrent_decodes",
     "actor_rollout_ref.rollout.name": "rlhf_jax has one rollout engine (the JetStream API)",
-    **{f"algorithm.rollout_correction.{k}": "of its rollout correction only bypass_mode is "
-       "implemented" for k in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
-                               "rollout_rs", "rollout_rs_threshold", "rollout_rs_threshold_lower",
-                               "rollout_token_veto_threshold", "use_policy_gradient")},
+    **{f"algorithm.rollout_correction.{k}": "removed from verl's rollout correction; set "
+       "rollout_rs and rollout_rs_threshold ('lower_upper' for *_k1), loss_type for the "
+       "policy gradient" for k in ("rollout_rs_threshold_lower", "rollout_token_veto_threshold",
+                                   "use_policy_gradient")},
 }
 
 
@@ -44,6 +44,17 @@ class OneOf:
     estimators; asked when a value is checked, so names registered later are accepted."""
 
     names: Callable[[], Iterable[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class NumberOrText:
+    """`Annotated[str | float, NumberOrText()]`: a number (kept as a float) or a string (kept
+    as given), for verl's keys typed `str | float`; a dotted override keeps its text."""
+
+
+def is_number_or_text(tp: Any) -> bool:
+    return typing.get_origin(tp) is Annotated and any(
+        isinstance(m, NumberOrText) for m in tp.__metadata__)
 
 
 class FrozenDict(Mapping):
@@ -139,6 +150,8 @@ def type_name(tp: Any) -> str:
     allowed = choices(tp)
     if allowed is not None:
         name = "one of " + ", ".join(map(str, allowed))
+    elif is_number_or_text(tp):
+        name = "a number or a string"
     elif origin is tuple:
         args = typing.get_args(tp)
         elem = args[0] if len(args) == 2 and args[1] is Ellipsis else None
@@ -161,7 +174,12 @@ def convert(value: Any, tp: Any, path: str, root: type) -> Any:
     allowed = choices(tp)
     if dataclasses.is_dataclass(tp):
         return value if isinstance(value, tp) else build(tp, value, path, root)
-    if allowed is not None:
+    if is_number_or_text(tp):
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif allowed is not None:
         if isinstance(value, str) and value in allowed:
             return value
         if isinstance(value, str):

@@ -10,7 +10,14 @@ from typing import Any
 
 import yaml
 
-from rlhf_jax.config.coerce import build, describe, optional_inner, schema_walk, thaw
+from rlhf_jax.config.coerce import (
+    build,
+    describe,
+    is_number_or_text,
+    optional_inner,
+    schema_walk,
+    thaw,
+)
 from rlhf_jax.config.schema import Config
 from rlhf_jax.errors import ConfigError
 
@@ -124,8 +131,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
         raise ConfigError(f"override {item!r}: cannot parse {text!r} as YAML ({problem})") from None
     leaf = schema_walk(Config, parts)[-1]
-    if optional_inner(leaf)[0] is str and isinstance(value, bool | int | float):
-        value = text.strip()  # `trainer.experiment_name=2024` is the name "2024"
+    inner = optional_inner(leaf)[0]
+    if (inner is str or is_number_or_text(inner)) and isinstance(value, bool | int | float):
+        value = text.strip()  # `trainer.experiment_name=2024` is the name "2024"; and YAML
+        # reads `x=0.5_5` as 0.55, while rollout_is_threshold=0.5_5 is the spec "0.5_5"
     _set(raw, parts, value)
 
 

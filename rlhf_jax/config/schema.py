@@ -13,8 +13,9 @@ import dataclasses
 from typing import Annotated, ClassVar, Literal
 
 from rlhf_jax.config import checks
-from rlhf_jax.config.coerce import FrozenDict, OneOf, Section
+from rlhf_jax.config.coerce import FrozenDict, NumberOrText, OneOf, Section
 from rlhf_jax.core_algos.registry import adv_estimator_names, policy_loss_names
+from rlhf_jax.errors import ConfigError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 LossAggMode = Literal[
@@ -68,6 +69,8 @@ class ModelConfig(Section):
     # The layer stack as a lax.scan (true) or unrolled (false); null: unrolled up to 8 layers.
     scan_layers: bool | None = None
     override_config: FrozenDict = _factory(FrozenDict)  # HF config.json fields to replace
+    # Sequence packing for the actor's and the reference's passes and the actor's update
+    # (rlhf_jax.packing): rows of real tokens, no padding.
     use_remove_padding: bool = False
 
 
@@ -95,9 +98,26 @@ class CriticOptimConfig(OptimConfig):
 
 @_section
 class ActorPolicyLossConfig(Section):
-    """`actor_rollout_ref.actor.policy_loss.*`: which registered policy loss the actor uses."""
+    """`actor_rollout_ref.actor.policy_loss.*`: which registered policy loss the actor uses,
+    and the settings of verl's modes (see `core_algos.PolicyLossConfig`)."""
 
     loss_mode: PolicyLossName = "vanilla"  # PPO clip + dual clip
+    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of tokens exempted
+    clip_cov_lb: float = 1.0  # clip_cov: covariance band, lower end
+    clip_cov_ub: float = 5.0  # clip_cov: covariance band, upper end
+    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens penalised
+    ppo_kl_coef: float = 0.1  # kl_cov: weight of the |log-ratio| penalty
+    dro_beta: float | None = None  # dro: quadratic log-ratio penalty, required (> 0) for dro
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        path = "actor_rollout_ref.actor.policy_loss"
+        for key in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{path}.{key}: must be > 0, got {getattr(self, key)}")
+        if self.loss_mode == "dro" and (self.dro_beta is None or not self.dro_beta > 0):
+            raise ConfigError(f"{path}.dro_beta: must be > 0 when loss_mode is dro, got "
+                              f"{self.dro_beta}")
 
 
 @_section
@@ -112,6 +132,8 @@ class ActorConfig(Section):
     clip_ratio_low: float | None = None  # null -> clip_ratio
     clip_ratio_high: float | None = None  # null -> clip_ratio
     clip_ratio_c: float = 3.0  # dual-clip bound of the policy loss, > 1
+    tau_pos: float = 1.0  # sapo's gate temperature for A > 0 (policy_loss.loss_mode=sapo)
+    tau_neg: float = 1.05  # sapo's gate temperature for A <= 0
     loss_agg_mode: LossAggMode = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
@@ -119,6 +141,15 @@ class ActorConfig(Section):
     kl_loss_type: str = "low_var_kl"  # a kl_penalty kind, see AlgorithmConfig
     grad_clip: float = 1.0
     optimizer_offload: bool = False
+    # Token-budget micro-batches (needs model.use_remove_padding): each device's micro-batch
+    # is one packed row of ppo_max_token_len_per_gpu tokens.
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    # Ours (verl's nearest, model.use_fused_kernels, is a bool of CUDA kernels): log-probs and
+    # entropy through the LM head in chunks of this many tokens a device, never the float32
+    # logits of a whole micro-batch (update and old log-probs); 0: off; null: on when those
+    # logits would exceed 256 MiB a device, chunks of ~128 MiB. See rlhf_jax/models/head.py.
+    lm_head_chunk_size: int | None = None
     optim: OptimConfig = _factory(OptimConfig)
     policy_loss: ActorPolicyLossConfig = _factory(ActorPolicyLossConfig)
 
@@ -129,6 +160,9 @@ class RefConfig(Section):
 
     param_offload: bool = False
     log_prob_micro_batch_size_per_device: int | None = None
+    log_prob_use_dynamic_bsz: bool | None = None  # null -> actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: int | None = None  # null -> actor.ppo_max_token_len_per_gpu
+    lm_head_chunk_size: int | None = None  # as actor.lm_head_chunk_size, for ref log-probs
 
 
 @_section
@@ -151,9 +185,14 @@ class RolloutConfig(Section):
     top_k: int = -1  # -1: off
     top_p: float = 1.0
     do_sample: bool = True
-    max_concurrent_decodes: int = 64  # decode slots of the engine
+    max_concurrent_decodes: int = 64  # decode slots of the engine (at most)
+    # verl's: the share of a device's memory for the rollout's weights and KV cache; the
+    # slots shrink to fit it (rlhf_jax/rollout/memory.py; on CPU a share of host RAM).
+    gpu_memory_utilization: float = 0.5
     prefill_buckets: tuple[int, ...] | None = None  # null: powers of two up to max_prompt_length
     log_prob_micro_batch_size_per_device: int | None = None
+    log_prob_use_dynamic_bsz: bool | None = None  # null -> actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: int | None = None  # null -> actor.ppo_max_token_len_per_gpu
     # verl's default is false; here the engine's log-probs feed training/rollout_probs_diff_*.
     calculate_log_probs: bool = True
     val_kwargs: SamplingConfig = _factory(SamplingConfig)
@@ -178,6 +217,7 @@ class CriticModelConfig(Section):
     override_config: FrozenDict = _factory(FrozenDict)
     enable_gradient_checkpointing: bool = False
     scan_layers: bool | None = None  # null: unrolled up to 8 layers
+    use_remove_padding: bool = False  # sequence packing for the critic's pass and update
 
 
 @_section
@@ -195,6 +235,9 @@ class CriticConfig(Section):
     cliprange_value: float = 0.5
     loss_agg_mode: LossAggMode = "token-mean"
     optimizer_offload: bool = False
+    use_dynamic_bsz: bool | None = None  # null -> actor_rollout_ref.actor.use_dynamic_bsz
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int | None = None  # null -> ppo_max_token_len_per_gpu
     # GAE with one critic update a step (one epoch, one mini-batch): that update's forward
     # pass makes the rollout's values (and returns); false: a separate values pass, as verl
     values_in_update: bool = True
@@ -206,12 +249,26 @@ class RewardModelModelConfig(Section):
 
 
 @_section
+class OverlongBufferConfig(Section):
+    """`reward_model.overlong_buffer.*`: DAPO's overlong reward shaping. A response longer
+    than `max_response_length - len` tokens gets `-(excess / len) * penalty_factor` added to
+    its score (0 down to -penalty_factor at the hard limit); `log` adds `overlong_reward` and
+    `overlong` to the reward's extra info (validation logs them, as verl does)."""
+
+    enable: bool = False
+    len: int = 0  # tokens of the buffer before data.max_response_length, > 0 when enabled
+    penalty_factor: float = 0.0
+    log: bool = False
+
+
+@_section
 class RewardModelConfig(Section):
     """`reward_model.*`: a learned reward model (off: rule rewards by data_source)."""
 
     enable: bool = False
     model: RewardModelModelConfig = _factory(RewardModelModelConfig)
     micro_batch_size_per_device: int | None = None
+    overlong_buffer: OverlongBufferConfig = _factory(OverlongBufferConfig)
 
 
 @_section
@@ -239,11 +296,34 @@ class KLCtrlConfig(Section):
 
 @_section
 class RolloutCorrectionConfig(Section):
-    """`algorithm.rollout_correction.*`: verl's bypass mode only (its importance-sampling and
-    rejection keys are not implemented): PPO's old log-probs are the rollout engine's own,
-    taken while sampling, and the trainer skips its old_log_prob forward pass."""
+    """`algorithm.rollout_correction.*`: verl's rollout correction (its yaml's defaults:
+    diagnostics only). Importance weights `pi_old / pi_rollout` of each token (`token`) or
+    sequence (`sequence`), truncated at `rollout_is_threshold` (or IcePop for "lower_upper"),
+    multiply the policy loss; `rollout_rs` takes tokens / sequences whose divergence is out
+    of `rollout_rs_threshold` out of the loss. `bypass_mode`: PPO's old log-probs are the
+    rollout engine's own (no old_log_prob pass) and the correction is made in the loss,
+    against the current policy, with `loss_type` ppo_clip or reinforce. The `rollout_corr/*`
+    diagnostics are logged in every mode. See rlhf_jax/core_algos/rollout_corr.py."""
 
+    rollout_is: Literal["token", "sequence"] | None = None
+    rollout_is_threshold: Annotated[str | float, NumberOrText()] = 2.0  # U, or "lower_upper"
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None  # comma-separated: token_k1, seq_sum_k3, seq_max_k2, ...
+    rollout_rs_threshold: Annotated[str | float, NumberOrText()] | None = None  # one per option
     bypass_mode: bool = False
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"  # bypass mode's loss
+
+
+@_section
+class FilterGroupsConfig(Section):
+    """`algorithm.filter_groups.*`: DAPO's dynamic sampling. Each step generates batches of
+    fresh prompts until data.train_batch_size prompts have groups whose `metric` is not the
+    same for every response, then trains on the first of them (see dynamic_sampling.py)."""
+
+    enable: bool = False
+    metric: str | None = None  # acc | score | seq_reward | seq_final_reward | a reward info key
+    max_num_gen_batches: int = 0  # <= 0: no limit
+    max_inflight_gen_batches: int = 1  # verl's async replay buffer; one at a time here
 
 
 @_section
@@ -258,6 +338,7 @@ class AlgorithmConfig(Section):
     kl_penalty: str = "kl"  # kl|k1|abs|mse|k2|low_var_kl|k3 (optionally with "+") or full
     kl_ctrl: KLCtrlConfig = _factory(KLCtrlConfig)
     rollout_correction: RolloutCorrectionConfig = _factory(RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = _factory(FilterGroupsConfig)
 
 
 @_section
@@ -312,6 +393,10 @@ class TrainerConfig(Section):
     log_val_generations: int = 0
     # Steps traced by jax.profiler into <default_local_dir>/profile (verl's key; null: none).
     profile_steps: tuple[int, ...] | None = None
+    # Ours: JAX's persistent compilation cache (a directory, or "off"); null: the env
+    # RLHF_JAX_COMPILATION_CACHE_DIR, else JAX's own setting, else ~/.cache/rlhf_jax/xla
+    # (see rlhf_jax/compile_cache.py).
+    compilation_cache_dir: str | None = None
     rollback: RollbackConfig = _factory(RollbackConfig)
     sft_warmup: SftWarmupConfig = _factory(SftWarmupConfig)
 
@@ -321,7 +406,7 @@ class SyntheticConfig(Section):
     """`synthetic.*`: when task is set, the trainer writes the task's parquet files, tokenizer
     and a random-init model at data.train_files / val_files / actor model path if missing."""
 
-    task: Literal["addition"] | None = None
+    task: Literal["addition", "wordproblems"] | None = None
     num_train: int = 2048
     num_val: int = 256
     seed: int = 0

@@ -5,10 +5,14 @@ Same function and argument names as `verl/trainer/ppo/core_algos.py` and
 object inside: arrays in, arrays out; static choices (estimator names, aggregation modes,
 `num_groups`, `clip_ratio_c`) are Python values. The maths pulls in only jax and numpy.
 
-Modules: `masked` (masked reductions, log-probs, entropy), `advantages` (GAE, GRPO, RLOO,
-REINFORCE++, ReMax), `kl` (KL penalties, KL controllers), `losses` (agg_loss with global
-denominators, policy / value / entropy losses), `registry` (the advantage-estimator and
-policy-loss registries, as verl's `register_adv_est` / `register_policy_loss`).
+Modules: `masked` (masked reductions, log-probs, entropy), `groups` (group ids of any kind,
+group statistics), `advantages` (GAE, GRPO, RLOO, REINFORCE++, ReMax), `group_advantages`
+(OPO, GRPO pass@k, GPG, GDPO, vectorised RLOO), `token_baseline` (optimal token baseline),
+`kl` (KL penalties, KL controllers), `losses` (agg_loss with global denominators, vanilla
+policy / value / entropy losses), `policy_losses` (DPPO, GSPO, SAPO, GPG, GMPO, DRO, CISPO),
+`cov_losses` (Clip-Cov, KL-Cov), `registry` (the advantage-estimator and policy-loss
+registries, as verl's `register_adv_est` / `register_policy_loss`) and `entries` (the
+built-in entries of the registries).
 
 The names below load their module on first use (a module `__getattr__`, PEP 562): the
 config validates names against the registries, and reading a config must not load jax
@@ -29,6 +33,35 @@ _EXPORTS = {
         "compute_remax_outcome_advantage",
         "compute_rloo_outcome_advantage",
     ),
+    "group_advantages": (
+        "compute_gdpo_outcome_advantage",
+        "compute_gpg_outcome_advantage",
+        "compute_grpo_passk_outcome_advantage",
+        "compute_opo_outcome_advantage",
+        "compute_rloo_vectorized_outcome_advantage",
+    ),
+    "groups": (
+        "dense_group_ids",
+        "group_ids",
+    ),
+    "token_baseline": (
+        "compute_multi_turn_optimal_token_baseline_advantage",
+        "compute_optimal_token_baseline_advantage",
+    ),
+    "policy_losses": (
+        "compute_policy_loss_cispo",
+        "compute_policy_loss_dppo_kl",
+        "compute_policy_loss_dppo_tv",
+        "compute_policy_loss_dro",
+        "compute_policy_loss_geo_mean",
+        "compute_policy_loss_gpg",
+        "compute_policy_loss_gspo",
+        "compute_policy_loss_sapo",
+    ),
+    "cov_losses": (
+        "compute_policy_loss_clip_cov",
+        "compute_policy_loss_kl_cov",
+    ),
     "kl": (
         "KL_PENALTY_NAMES",
         "AdaptiveKLController",
@@ -44,6 +77,7 @@ _EXPORTS = {
         "agg_loss_denominators",
         "compute_entropy_loss",
         "compute_policy_loss",
+        "compute_policy_loss_vanilla",
         "compute_value_loss",
     ),
     "masked": (
@@ -54,7 +88,24 @@ _EXPORTS = {
         "masked_var",
         "masked_whiten",
     ),
+    "rollout_corr": (
+        "apply_rollout_correction",
+        "compute_offpolicy_metrics",
+        "compute_rollout_correction_and_rejection_mask",
+        "compute_rollout_correction_weights",
+        "compute_rollout_rejection_mask",
+    ),
+    "rollout_corr_loss": (
+        "compute_policy_loss_bypass_mode",
+        "compute_policy_loss_reinforce",
+    ),
+    "rollout_corr_spec": (
+        "ROLLOUT_IS_LEVELS",
+        "ROLLOUT_RS_OPTIONS",
+        "RolloutCorrection",
+    ),
     "registry": (
+        "ADV_INPUTS",
         "AdvEstimator",
         "PolicyLossConfig",
         "adv_estimator_names",

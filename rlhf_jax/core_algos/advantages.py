@@ -11,10 +11,10 @@ a discounted reverse cumulative sum done as matrix products) and group statistic
 are differentiable, but advantages are targets: a trainer computes them outside its gradient
 (verl wraps them in `torch.no_grad`).
 
-Group ids (`index`): verl groups by a Python dict over prompt uids; here `index` is an int
-`[batch]` array of group ids in `[0, num_groups)` (e.g. `np.unique(uids, return_inverse=True)`),
-and `num_groups` is static (default `batch`, enough for any labelling of `batch` rows). Ids
-outside that range are dropped by the segment ops and the row is treated as a group of one.
+Group ids (`index`): verl groups by a Python dict over prompt uids; here `index` is a
+`[batch]` array of any integer ids (under jit), or of any hashable labels such as verl's
+string uids (called eagerly); `groups.dense_group_ids` maps them to `[0, batch)` first. The
+`num_groups` argument of the group estimators is kept for compatibility and unused.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rlhf_jax.core_algos.groups import _replicated, dense_group_ids, group_stats, safe_sqrt
 from rlhf_jax.core_algos.masked import _as_mask, masked_whiten
 
 # Time steps per block of `_reverse_scan_time`: a [batch, 128] float32 block of 512 rows is
@@ -183,38 +184,12 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
     return masked_whiten(adv, _as_mask(response_mask, adv)), returns
 
 
-def _replicated(x):
-    """`x` replicated if its batch axis is sharded over an explicit mesh axis.
-
-    Group statistics mix rows of every shard; on a `[batch]` vector gathering is cheap and
-    spares the scatter of `segment_sum` an ambiguous output sharding. A no-op otherwise.
-    """
-    sharding = jax.typeof(x).sharding
-    if any(p is not None for p in sharding.spec):
-        return jax.sharding.reshard(x, sharding.update(spec=jax.sharding.PartitionSpec()))
-    return x
-
-
-def _group_stats(scores_b, index, num_groups):
-    """Per-row group size, group mean and unbiased group variance of `scores_b` ([batch])."""
-    b = scores_b.shape[0]
-    num_groups = b if num_groups is None else int(num_groups)
-    index = _replicated(jnp.asarray(index).astype(jnp.int32))
-    seg = lambda x: jax.ops.segment_sum(x, index, num_segments=num_groups)
-    count_g = seg(jnp.ones_like(scores_b))
-    mean_g = seg(scores_b) / jnp.maximum(count_g, 1)
-    # Out-of-range ids gather a clamped (wrong) group; their count is forced to 1 below.
-    valid = (index >= 0) & (index < num_groups)
-    n = jnp.where(valid, count_g[index], 1)
-    mean = mean_g[index]
-    var_g = seg(jnp.square(scores_b - mean)) / jnp.maximum(count_g - 1, 1)
-    return n, mean, var_g[index]
-
-
-def _safe_sqrt(x):
-    """sqrt with a finite gradient at 0."""
-    pos = x > 0
-    return jnp.where(pos, jnp.sqrt(jnp.where(pos, x, 1)), 0)
+def _group_scores(token_level_rewards, response_mask, index):
+    """`(rewards, mask, scores [batch] replicated, dense group ids)` of an outcome estimator."""
+    rewards = jnp.asarray(token_level_rewards)
+    m = _as_mask(response_mask, rewards)
+    scores = _replicated(jnp.sum(rewards, axis=-1))
+    return rewards, m, scores, dense_group_ids(index)
 
 
 def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
@@ -229,24 +204,23 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, ep
     Args:
       token_level_rewards: `[batch, time]`.
       response_mask: `[batch, time]`, 0/1.
-      index: `[batch]` int group ids in `[0, num_groups)`.
+      index: `[batch]` group ids (any integers; or string uids, called eagerly).
       epsilon: added to the std.
       norm_adv_by_std_in_grpo: divide by the group std (GRPO) or not (Dr.GRPO).
-      num_groups: static number of segments (default: batch).
+      num_groups: unused (ids are remapped to `[0, batch)`); kept for compatibility.
 
     Returns:
       `(advantages, returns)`, each `[batch, time]`; `returns` is `advantages` (as verl).
 
     verl: `core_algos.compute_grpo_outcome_advantage`.
     """
-    rewards = jnp.asarray(token_level_rewards)
-    m = _as_mask(response_mask, rewards)
-    scores = _replicated(jnp.sum(rewards, axis=-1))
-    n, mean, var = _group_stats(scores, index, num_groups)
+    del num_groups
+    _, m, scores, ids = _group_scores(token_level_rewards, response_mask, index)
+    n, mean, var = group_stats(scores, ids)
     single = n <= 1
     mean = jnp.where(single, 0, mean)
     if norm_adv_by_std_in_grpo:
-        std = jnp.where(single, 1, _safe_sqrt(var))
+        std = jnp.where(single, 1, safe_sqrt(var))
         adv_b = (scores - mean) / (std + epsilon)
     else:
         adv_b = scores - mean
@@ -265,20 +239,18 @@ def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, ep
     Args:
       token_level_rewards: `[batch, time]`.
       response_mask: `[batch, time]`, 0/1.
-      index: `[batch]` int group ids in `[0, num_groups)`.
+      index: `[batch]` group ids (any integers; or string uids, called eagerly).
       epsilon: unused; kept for verl's signature.
-      num_groups: static number of segments (default: batch).
+      num_groups: unused (ids are remapped to `[0, batch)`); kept for compatibility.
 
     Returns:
       `(advantages, returns)`, each `[batch, time]`; `returns` is `advantages` (as verl).
 
     verl: `core_algos.compute_rloo_outcome_advantage`.
     """
-    del epsilon
-    rewards = jnp.asarray(token_level_rewards)
-    m = _as_mask(response_mask, rewards)
-    scores = _replicated(jnp.sum(rewards, axis=-1))
-    n, mean, _ = _group_stats(scores, index, num_groups)
+    del epsilon, num_groups
+    _, m, scores, ids = _group_scores(token_level_rewards, response_mask, index)
+    n, mean, _ = group_stats(scores, ids)
     scale = n / jnp.maximum(n - 1, 1)
     adv_b = jnp.where(n > 1, scores * scale - mean * scale, scores)
     adv = adv_b[:, None] * m
@@ -288,10 +260,13 @@ def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, ep
 def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma):
     """REINFORCE++ (Hu 2025): whitened discounted return-to-go.
 
-    Reverse scan: `G = r_t + gamma * G; R_t = G; G = G * m_t` (the running return restarts
-    at masked positions, as verl). `advantages = masked_whiten(R, m) * m`. On prefix masks
-    (`1..1 0..0` rows) the scan is a discounted reverse cumulative sum: `R = sum_{s >= t}
-    gamma^(s - t) m_s r_s` on the response and `R_t = r_t` after it.
+    Reverse scan: `G' = r_t + gamma * G; R_t = G' * m_t; G = G' * m_t + G * (1 - m_t)`: a
+    masked token (an observation span of a multi-turn response, or padding) has return 0 and
+    neither adds its reward nor discounts, so the running return crosses it unchanged and the
+    rewards after the span reach the tokens before it (verl's fix #7278; before it the return
+    restarted at masked tokens). `advantages = masked_whiten(R, m) * m`. On prefix masks
+    (`1..1 0..0` rows) the scan is a discounted reverse cumulative sum:
+    `R = m * sum_{s >= t} gamma^(s - t) m_s r_s`.
 
     Args:
       token_level_rewards: `[batch, time]`.
@@ -309,14 +284,14 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_
 
     def step(running, x):
         r_t, m_t = x
-        running = r_t + gamma * running
-        return running * m_t, running
+        new = r_t + gamma * running
+        return new * m_t + running * (1 - m_t), new * m_t
 
     def scan(rewards, m):
         return _reverse_scan_time(step, jnp.zeros_like(rewards[:, 0]), rewards, m)
 
     def prefix(rewards, m):
-        return jnp.where(m != 0, _discounted_reverse_cumsum(rewards * m, gamma), rewards)
+        return _discounted_reverse_cumsum(rewards * m, gamma) * m
 
     returns = jax.lax.cond(_is_prefix_mask(m), prefix, scan, rewards, m)
     advantages = masked_whiten(returns, m) * m
@@ -334,20 +309,18 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, 
     Args:
       token_level_rewards: `[batch, time]`.
       response_mask: `[batch, time]`, 0/1.
-      index: `[batch]` int group ids in `[0, num_groups)`.
+      index: `[batch]` group ids (any integers; or string uids, called eagerly).
       epsilon: unused; kept for verl's signature.
-      num_groups: static number of segments (default: batch).
+      num_groups: unused (ids are remapped to `[0, batch)`); kept for compatibility.
 
     Returns:
       `(advantages, returns)`, each `[batch, time]`; `returns` is `advantages` (as verl).
 
     verl: `core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage`.
     """
-    del epsilon
-    rewards = jnp.asarray(token_level_rewards)
-    m = _as_mask(response_mask, rewards)
-    scores = _replicated(jnp.sum(rewards, axis=-1))
-    n, mean, _ = _group_stats(scores, index, num_groups)
+    del epsilon, num_groups
+    _, m, scores, ids = _group_scores(token_level_rewards, response_mask, index)
+    n, mean, _ = group_stats(scores, ids)
     centred = scores - jnp.where(n > 1, mean, 0)
     adv = masked_whiten(centred[:, None] * m, m) * m
     return adv, adv

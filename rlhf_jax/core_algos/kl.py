@@ -27,7 +27,9 @@ def _kl_forward(d, name):
     if name in ("kl", "k1"):
         return d
     if name == "abs":
-        return jnp.abs(d)
+        # d * sign(d) = |d| with torch's gradient sign(d), which is 0 at a tie (logp == ref);
+        # jnp.abs has gradient 1 there
+        return d * jnp.sign(d)
     if name in ("mse", "k2"):
         return 0.5 * jnp.square(d)
     # low_var_kl / k3 (Schulman's k3): exp(x) - x - 1 with x = ref - logp; expm1 keeps the
@@ -60,7 +62,7 @@ def kl_penalty(logprob, ref_logprob, kl_penalty, *, logits=None, ref_logits=None
 
     With `d = logprob - ref_logprob` (log-probs of the sampled tokens):
     - `kl` / `k1`: `d`
-    - `abs`: `|d|`
+    - `abs`: `|d|` (gradient `sign(d)`, 0 at `d = 0` as in torch)
     - `mse` / `k2`: `d^2 / 2`
     - `low_var_kl` / `k3`: `x = clip(-d, -20, 20)`; `clip(exp(x) - x - 1, -10, 10)`
     - any of these with a `+` suffix (`k1+`, `k3+`, ...): the forward value of the estimator

@@ -17,6 +17,7 @@ too when given, so they also sum over micro-batches to the mini-batch value.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from rlhf_jax.core_algos.masked import _as_mask, entropy_from_logits, masked_mean, masked_sum
@@ -120,17 +121,31 @@ def _token_mean(x, mask, global_token_count):
     return _safe_div(masked_sum(x, mask), global_token_count)
 
 
+def _reweighted(token_losses, rollout_is_weights):
+    """`token_losses * rollout_is_weights` (the weights without gradient), or as is if None.
+
+    verl's rollout correction: importance weights `[batch, time]` multiply the per-token
+    policy loss before it is aggregated.
+    """
+    if rollout_is_weights is None:
+        return token_losses
+    w = jax.lax.stop_gradient(jnp.asarray(rollout_is_weights).astype(token_losses.dtype))
+    return token_losses * w
+
+
 def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, clip_ratio=0.2,
                         clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
                         loss_agg_mode="token-mean", *, global_token_count=None,
-                        global_seq_count=None, loss_scale_factor=None):
+                        global_seq_count=None, loss_scale_factor=None,
+                        rollout_is_weights=None):
     """PPO clipped surrogate (Schulman et al. 2017) with dual clip (Ye et al. 2020).
 
     `d = clip(logp - old, -20, 20)`, `ratio = exp(d)`;
     `L1 = -A * ratio`, `L2 = -A * clip(ratio, 1 - eps_low, 1 + eps_high)`,
     `clip1 = max(L1, L2)`; `L3 = -A * clip_ratio_c`, `clip2 = min(L3, clip1)`;
     `loss_t = clip2 if A < 0 else clip1` (for A < 0 the loss never exceeds `-A * c`);
-    `pg_loss = agg_loss(loss_t, mask, loss_agg_mode)`.
+    `pg_loss = agg_loss(loss_t * w, mask, loss_agg_mode)` with `w` the rollout-correction
+    weights (1 without them).
     Metrics (token means over the mask): `pg_clipfrac = mean(L2 > L1)`,
     `ppo_kl = mean(-d)` (d clipped, as verl), `pg_clipfrac_lower = mean(clip1 > L3 & A < 0)`.
 
@@ -146,6 +161,7 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, clip_
       loss_agg_mode: see `agg_loss`.
       global_token_count, global_seq_count, loss_scale_factor: see `agg_loss`; the metrics
         use `global_token_count` too.
+      rollout_is_weights: `[batch, time]` rollout-correction weights (no gradient), or None.
 
     Returns:
       `(pg_loss, metrics)`: the scalar loss and a dict of scalars with keys `pg_clipfrac`,
@@ -171,7 +187,7 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, clip_
     clip1 = jnp.maximum(losses1, losses2)
     losses3 = -adv * clip_ratio_c
     clip2 = jnp.minimum(losses3, clip1)
-    token_losses = jnp.where(adv < 0, clip2, clip1)
+    token_losses = _reweighted(jnp.where(adv < 0, clip2, clip1), rollout_is_weights)
 
     pg_loss = agg_loss(token_losses, m, loss_agg_mode, global_token_count=global_token_count,
                        global_seq_count=global_seq_count, loss_scale_factor=loss_scale_factor)
@@ -245,3 +261,6 @@ def compute_entropy_loss(logits, response_mask, loss_agg_mode="token-mean", *,
     return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode,
                     global_token_count=global_token_count, global_seq_count=global_seq_count,
                     loss_scale_factor=loss_scale_factor)
+
+
+compute_policy_loss_vanilla = compute_policy_loss  # verl's registered name for the same loss

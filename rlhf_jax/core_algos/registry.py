@@ -8,14 +8,15 @@ registered names.
 
     @register_policy_loss("my_loss")
     def my_loss(old_log_prob, log_prob, advantages, response_mask, *, config, loss_agg_mode,
-                global_token_count=None, global_seq_count=None, rollout_log_prob=None):
+                global_token_count=None, global_seq_count=None, rollout_log_prob=None,
+                rollout_is_weights=None):
         ...                                                               # -> (loss, metrics)
 
     get_adv_estimator("grpo")(rewards, mask, index=ids)                   # -> (adv, returns)
 
 This module imports no jax: the config, which is read without jax (`train.py --print-config`),
-asks it for the names. The built-in entries at the end call the maths of `advantages` and
-`losses` through the lazy `core_algos` package, so jax loads when one first runs.
+asks it for the names. The built-in entries (`entries`, imported at the end) call the maths
+through the lazy `core_algos` package, so jax loads when one first runs.
 
 A name belongs to one function: registering another function under a taken name raises,
 while re-registering a function with the same module and qualified name (a reloaded module,
@@ -29,14 +30,15 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from rlhf_jax import core_algos as ca
-
 # What an estimator may declare in `needs`: arrays from the trainer, and `algorithm.*` settings.
-ADV_INPUTS = ("values", "index", "reward_baselines")
+ADV_INPUTS = ("values", "index", "reward_baselines", "old_log_probs", "sum_pi_squared",
+              "rollout_is_weights")
 ADV_SETTINGS = ("gamma", "lam", "norm_adv_by_std_in_grpo")
+# Inputs that an estimator declaring them still accepts as None (they are optional to it).
+ADV_OPTIONAL = ("rollout_is_weights",)
 # The keywords every policy loss takes after its four arrays.
 POLICY_LOSS_KEYWORDS = ("config", "loss_agg_mode", "global_token_count", "global_seq_count",
-                        "rollout_log_prob")
+                        "rollout_log_prob", "rollout_is_weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,24 +51,32 @@ class AdvEstimator:
     needs: frozenset[str]
 
     def __call__(self, token_level_rewards, response_mask, *, values=None, index=None,
-                 reward_baselines=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True):
+                 reward_baselines=None, old_log_probs=None, sum_pi_squared=None,
+                 rollout_is_weights=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True):
         """The uniform calling convention: `(advantages, returns)`, each `[batch, time]`.
 
         Args:
           token_level_rewards: `[batch, time]`.
           response_mask: `[batch, time]`, 0/1.
           values: `[batch, time]` critic values (GAE).
-          index: `[batch]` int group (prompt) ids in `[0, batch)` (GRPO, RLOO, ...).
+          index: `[batch]` group (prompt) ids, any integers (GRPO, RLOO, ...); string uids
+            too when called eagerly.
           reward_baselines: `[batch]` score of the greedy response of each row's prompt (ReMax).
+          old_log_probs: `[batch, time]` rollout-policy log-probs (optimal token baseline).
+          sum_pi_squared: `[batch, time]` `sum_v pi_v^2` per step (optimal token baseline).
+          rollout_is_weights: `[batch, time]` rollout importance weights, optional.
           gamma, lam, norm_adv_by_std_in_grpo: `algorithm.*` (verl's defaults); passed to
             the estimators that declare them.
 
         Raises:
-          ValueError: an input in `needs` is None.
+          ValueError: an input in `needs` (other than `ADV_OPTIONAL`) is None.
         """
         given = dict(values=values, index=index, reward_baselines=reward_baselines,
-                     gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
-        missing = [k for k in ADV_INPUTS if k in self.needs and given[k] is None]
+                     old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared,
+                     rollout_is_weights=rollout_is_weights, gamma=gamma, lam=lam,
+                     norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+        missing = [k for k in ADV_INPUTS
+                   if k in self.needs and k not in ADV_OPTIONAL and given[k] is None]
         if missing:
             raise ValueError(f"advantage estimator {self.name!r} needs {', '.join(missing)}, "
                              "got None")
@@ -77,16 +87,30 @@ class AdvEstimator:
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
     """Settings of the policy-loss modes; frozen and hashable, so a jit can take it as static.
+    Names and defaults are verl's (`actor.*` and `actor.policy_loss.*`).
 
-    clip_ratio: eps of the PPO clip, the default of both sides.
+    clip_ratio: eps of the PPO clip, the default of both sides (vanilla, gspo, geo_mean,
+      cispo, clip_cov; dppo_*: the divergence bound).
     clip_ratio_low, clip_ratio_high: eps_low, eps_high (None: `clip_ratio`).
-    clip_ratio_c: the dual-clip bound (> 1).
+    clip_ratio_c: the dual-clip bound (> 1); dppo_*: the truncation of the ratio.
+    clip_cov_ratio, clip_cov_lb, clip_cov_ub: clip_cov's fraction of tokens and its band.
+    kl_cov_ratio, ppo_kl_coef: kl_cov's fraction of tokens and the weight of its penalty.
+    dro_beta: dro's quadratic penalty (required, > 0, for dro).
+    tau_pos, tau_neg: sapo's gate temperatures for A > 0 and A <= 0.
     """
 
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    dro_beta: float | None = None
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
 
 
 PolicyLossFn = Callable[..., tuple[Any, dict[str, Any]]]
@@ -167,12 +191,14 @@ def adv_estimator_names() -> tuple[str, ...]:
 def register_policy_loss(name: str) -> Callable:
     """Decorator: registers a policy loss of the calling convention
     `fn(old_log_prob, log_prob, advantages, response_mask, *, config: PolicyLossConfig,
-    loss_agg_mode, global_token_count, global_seq_count, rollout_log_prob=None)
-    -> (pg_loss, metrics)`.
+    loss_agg_mode, global_token_count, global_seq_count, rollout_log_prob=None,
+    rollout_is_weights=None) -> (pg_loss, metrics)`.
 
     The arrays are `[batch, time]`, differentiated through `log_prob`; the counts are those of
-    the whole mini-batch (see `losses.agg_loss`); `metrics` maps names without the `actor/`
-    prefix to scalars. Called inside the actor update's jit, once per micro-batch.
+    the whole mini-batch (see `losses.agg_loss`); `rollout_is_weights` (`[batch, time]`, no
+    gradient) multiply the per-token loss before aggregation; `metrics` maps names without
+    the `actor/` prefix to scalars that add up over micro-batches. Called inside the actor
+    update's jit, once per micro-batch.
     """
 
     def decorator(fn):
@@ -198,66 +224,5 @@ def policy_loss_names() -> tuple[str, ...]:
     return tuple(_POLICY_LOSSES)
 
 
-# ------------------------------------------------------------------------ built-in entries
-# Each adapts a `compute_*` function of `advantages` / `losses` (verl's names, verl's
-# arguments) to the calling convention; the maths stays there.
-
-
-@register_adv_est("gae", needs=("values", "gamma", "lam"))
-def gae(token_level_rewards, response_mask, *, values, gamma, lam):
-    """`compute_gae_advantage_return` (whitened advantages, returns = A + values)."""
-    return ca.compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma,
-                                           lam)
-
-
-@register_adv_est("grpo", needs=("index", "norm_adv_by_std_in_grpo"))
-def grpo(token_level_rewards, response_mask, *, index, norm_adv_by_std_in_grpo):
-    """`compute_grpo_outcome_advantage`; Dr.GRPO when `norm_adv_by_std_in_grpo` is False."""
-    return ca.compute_grpo_outcome_advantage(
-        token_level_rewards, response_mask, index,
-        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-    )
-
-
-@register_adv_est("rloo", needs=("index",))
-def rloo(token_level_rewards, response_mask, *, index):
-    """`compute_rloo_outcome_advantage` (leave-one-out baseline per group)."""
-    return ca.compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
-
-
-@register_adv_est("reinforce_plus_plus", needs=("gamma",))
-def reinforce_plus_plus(token_level_rewards, response_mask, *, gamma):
-    """`compute_reinforce_plus_plus_outcome_advantage` (whitened discounted return-to-go)."""
-    return ca.compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask,
-                                                            gamma)
-
-
-@register_adv_est("reinforce_plus_plus_baseline", needs=("index",))
-def reinforce_plus_plus_baseline(token_level_rewards, response_mask, *, index):
-    """`compute_reinforce_plus_plus_baseline_outcome_advantage` (group-mean baseline)."""
-    return ca.compute_reinforce_plus_plus_baseline_outcome_advantage(
-        token_level_rewards, response_mask, index
-    )
-
-
-@register_adv_est("remax", needs=("reward_baselines",))
-def remax(token_level_rewards, response_mask, *, reward_baselines):
-    """`compute_remax_outcome_advantage` (return-to-go minus the greedy response's score)."""
-    return ca.compute_remax_outcome_advantage(token_level_rewards, reward_baselines,
-                                              response_mask)
-
-
-@register_policy_loss("vanilla")
-def vanilla(old_log_prob, log_prob, advantages, response_mask, *,
-            config: PolicyLossConfig, loss_agg_mode="token-mean", global_token_count=None,
-            global_seq_count=None, rollout_log_prob=None):
-    """PPO clip + dual clip: `compute_policy_loss` with the clip settings of `config`.
-
-    `rollout_log_prob` is unused (verl's vanilla mode takes none either)."""
-    del rollout_log_prob
-    return ca.compute_policy_loss(
-        old_log_prob, log_prob, advantages, response_mask, clip_ratio=config.clip_ratio,
-        clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
-        clip_ratio_c=config.clip_ratio_c, loss_agg_mode=loss_agg_mode,
-        global_token_count=global_token_count, global_seq_count=global_seq_count,
-    )
+# The built-in estimators and policy losses (verl's), registered in that order on import.
+from rlhf_jax.core_algos import entries as _entries  # noqa: E402,F401

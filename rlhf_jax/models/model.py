@@ -169,6 +169,28 @@ class Model:
             )
         return out
 
+    def hidden(self, params, input_ids_bt, attention_mask_bt=None,
+               head_slice: slice | None = None, *, positions=None, segment_ids=None):
+        """`forward` of a causal LM up to its head: the final (normed) hidden states
+        [B, T', D] of the `head_slice` positions, in the compute dtype. With `head_weight`
+        they give the logits without building them (`models.head`)."""
+        assert self.kind == "lm", "hidden states of the LM head need a causal LM"
+        if segment_ids is None:
+            positions = positions_from_mask(attention_mask_bt)
+            segment_ids = attention_mask_bt
+        with self._layout():
+            return self.module.apply(
+                {"params": self.split_layers(params)}, input_ids_bt, positions,
+                segment_mask(segment_ids), head_slice, method=CausalLM.hidden,
+            )
+
+    def head_weight(self, params):
+        """The LM head's weight and its layout: the tied embedding [V, D] ("vd") or the
+        `lm_head` kernel [D, V] ("dv"), as stored (logits = hidden @ it, in `dtype`)."""
+        if self.cfg.tie_word_embeddings:
+            return params["model"]["embed_tokens"]["embedding"], "vd"
+        return params["lm_head"]["kernel"], "dv"
+
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> KVCache:
         """Zeros of shape [L, B, K, S, H] in the compute dtype."""
         c = self.cfg

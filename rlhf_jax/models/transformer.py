@@ -425,6 +425,11 @@ class CausalLM(nn.Module):
         logits_btv = constrain(logits_btv.astype(jnp.float32), ("batch", "act_length", "act_vocab"))
         return logits_btv, new_cache
 
+    def hidden(self, input_ids_bt, positions_bt, mask_bts, head_slice: slice | None = None):
+        """What `__call__` sends through the LM head: the final (normed) hidden states
+        [B, T', D] of the `head_slice` positions, in the compute dtype (`models.head`)."""
+        return self.model(input_ids_bt, positions_bt, mask_bts, None, None, head_slice)[0]
+
 
 class ValueModel(nn.Module):
     """Backbone plus a scalar head (HF `*ForTokenClassification` with one label): [B, T]."""

@@ -9,6 +9,11 @@
 A user function (`reward.custom_reward_function.path/name`) replaces the registry for every
 row; it is called as `fn(data_source=, solution_str=, ground_truth=, extra_info=)` and may
 return a float or a dict with a "score" key.
+
+A scorer, too, may return such a dict: its entries are verl's `reward_extra_info`, which
+`score_batch_info` collects per key (validation logs their statistics; a "pred" entry, the
+extracted answer, is the vote of maj@N; dynamic sampling may filter on one). The built-in
+GSM8K, MATH and addition scorers return `{"score", "pred"}`.
 """
 
 from __future__ import annotations
@@ -19,15 +24,17 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.rewards import addition, gsm8k
 from rlhf_jax.rewards import math as math_reward
+from rlhf_jax.rewards.overlong import overlong_penalty
 
-Scorer = Callable[[str, Any, Any], float]  # (solution_str, ground_truth, extra_info) -> score
+# (solution_str, ground_truth, extra_info) -> score, or a dict with "score" and extra info
+Scorer = Callable[[str, Any, Any], float | Mapping[str, Any]]
 
 REGISTRY: dict[str, Scorer] = {}
 
@@ -57,18 +64,18 @@ def register_reward(*data_sources: str) -> Callable[[Scorer], Scorer]:
 
 
 @register_reward("openai/gsm8k")
-def _gsm8k(solution_str: str, ground_truth: Any, extra_info: Any) -> float:
-    return gsm8k.compute_score(solution_str, ground_truth)
+def _gsm8k(solution_str: str, ground_truth: Any, extra_info: Any) -> dict:
+    return gsm8k.score_and_pred(solution_str, ground_truth)
 
 
 @register_reward("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
-def _math(solution_str: str, ground_truth: Any, extra_info: Any) -> float:
-    return math_reward.compute_score(solution_str, ground_truth)
+def _math(solution_str: str, ground_truth: Any, extra_info: Any) -> dict:
+    return math_reward.score_and_pred(solution_str, ground_truth)
 
 
 @register_reward("synthetic/addition")
-def _addition(solution_str: str, ground_truth: Any, extra_info: Any) -> float:
-    return addition.compute_score(solution_str, ground_truth)
+def _addition(solution_str: str, ground_truth: Any, extra_info: Any) -> dict:
+    return addition.score_and_pred(solution_str, ground_truth)
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any,
@@ -78,11 +85,22 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any,
     Raises:
         ConfigError: no scorer is registered for `data_source`.
     """
+    return _as_float(compute_result(data_source, solution_str, ground_truth, extra_info))
+
+
+def compute_result(data_source: str, solution_str: str, ground_truth: Any,
+                   extra_info: Mapping[str, Any] | None = None) -> float | Mapping[str, Any]:
+    """What the registered scorer of `data_source` returns: a float, or a dict with "score"
+    and extra info.
+
+    Raises:
+        ConfigError: no scorer is registered for `data_source`.
+    """
     scorer = REGISTRY.get(data_source)
     if scorer is None:
         raise ConfigError(f"no reward function for data_source {data_source!r}; "
                           "set reward.custom_reward_function.path/name")
-    return float(scorer(solution_str, ground_truth, extra_info))
+    return scorer(solution_str, ground_truth, extra_info)
 
 
 def _module_from_file(path: str):
@@ -128,6 +146,15 @@ def _as_float(value: Any) -> float:
     return float(value["score"]) if isinstance(value, Mapping) else float(value)
 
 
+class Rewards(NamedTuple):
+    """A batch's rewards: what each response gets, the reward function's own score, and
+    verl's `reward_extra_info` (one list of N values per key; None where a row lacks it)."""
+
+    scores: np.ndarray  # float32 [N]: raw + the overlong penalty (when on)
+    raw: np.ndarray  # float32 [N]: the reward function's "score"
+    info: dict[str, list]
+
+
 def score_batch(data_sources: Sequence[str], responses: Sequence[str],
                 ground_truths: Sequence[Any], extra_infos: Sequence[Any] | None = None,
                 custom_fn: Callable[..., Any] | None = None) -> np.ndarray:
@@ -141,16 +168,43 @@ def score_batch(data_sources: Sequence[str], responses: Sequence[str],
     Returns:
         float32 [batch].
     """
+    return score_batch_info(data_sources, responses, ground_truths, extra_infos,
+                            custom_fn).raw
+
+
+def score_batch_info(data_sources: Sequence[str], responses: Sequence[str],
+                     ground_truths: Sequence[Any], extra_infos: Sequence[Any] | None = None,
+                     custom_fn: Callable[..., Any] | None = None) -> Rewards:
+    """`score_batch` with the entries of dict results gathered per key, as verl's reward
+    managers do (a float result adds none). `scores` equals `raw` (no shaping yet)."""
     n = len(responses)
     extra_infos = [None] * n if extra_infos is None else extra_infos
     if not len(data_sources) == len(ground_truths) == len(extra_infos) == n:
         raise ValueError("score_batch: all arguments need one entry per response")
     scores = np.empty(n, np.float32)
+    info: dict[str, list] = {}
     for i, (source, response, truth, extra) in enumerate(
             zip(data_sources, responses, ground_truths, extra_infos, strict=True)):
         if custom_fn is not None:
-            scores[i] = _as_float(custom_fn(data_source=source, solution_str=response,
-                                            ground_truth=truth, extra_info=extra))
+            result = custom_fn(data_source=source, solution_str=response, ground_truth=truth,
+                               extra_info=extra)
         else:
-            scores[i] = compute_score(source, response, truth, extra)
-    return scores
+            result = compute_result(source, response, truth, extra)
+        scores[i] = _as_float(result)
+        if isinstance(result, Mapping):
+            for key, value in result.items():
+                info.setdefault(key, [None] * n)[i] = value
+    return Rewards(scores, scores, info)
+
+
+def with_overlong_penalty(rewards: Rewards, lengths: np.ndarray, *, max_response_length: int,
+                          buffer_len: int, penalty_factor: float, log: bool = False) -> Rewards:
+    """DAPO's overlong reward shaping added to `rewards.scores` (see `overlong.py`); with
+    `log`, verl's `overlong_reward` (the penalty) and `overlong` (penalty < 0) join the info."""
+    penalty = overlong_penalty(lengths, max_response_length=max_response_length,
+                               buffer_len=buffer_len, penalty_factor=penalty_factor)
+    info = rewards.info
+    if log:
+        info = {**info, "overlong_reward": [float(p) for p in penalty],
+                "overlong": [bool(p < 0) for p in penalty]}
+    return Rewards((rewards.scores + penalty).astype(np.float32), rewards.raw, info)

@@ -11,7 +11,13 @@ def compute_score(solution_str: str, ground_truth: str) -> float:
     A response decoded with `skip_special_tokens=False` is cut at its first `<eos>`. Anything
     generated after the answer (a missing EOS) makes it wrong: there is no partial credit.
     """
-    answer = solution_str.split(EOS_TEXT, 1)[0]
-    answer = "".join(answer.split())
+    return score_and_pred(solution_str, ground_truth)["score"]
+
+
+def score_and_pred(solution_str: str, ground_truth: str) -> dict:
+    """`compute_score` with the answer it read: `{"score": float, "pred": str}`, the digits
+    before EOS without spaces ("[INVALID]" when there are none)."""
+    answer = "".join(solution_str.split(EOS_TEXT, 1)[0].split())
     truth = "".join(str(ground_truth).split())
-    return 1.0 if answer and answer == truth else 0.0
+    return {"score": 1.0 if answer and answer == truth else 0.0,
+            "pred": answer or "[INVALID]"}

@@ -13,6 +13,7 @@ CLIP_CHARS = 300
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 _NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
 _INVALID = ("", ".")
+INVALID = "[INVALID]"  # the pred of a response without an answer (verl's math_dapo)
 
 
 def extract_solution(solution_str: str, method: str = "strict") -> str | None:
@@ -32,7 +33,15 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
 def compute_score(solution_str: str, ground_truth: str, method: str = "strict",
                   format_score: float = 0.0, score: float = 1.0) -> float:
     """`score` for the right answer, `format_score` for a parsed wrong one, 0 for none."""
+    return score_and_pred(solution_str, ground_truth, method, format_score, score)["score"]
+
+
+def score_and_pred(solution_str: str, ground_truth: str, method: str = "strict",
+                   format_score: float = 0.0, score: float = 1.0) -> dict:
+    """`compute_score` with the extracted answer: `{"score": float, "pred": str}`; `pred` is
+    INVALID when nothing parses (the vote of validation's maj@N)."""
     answer = extract_solution(solution_str, method)
     if answer is None:
-        return 0.0
-    return float(score) if answer == str(ground_truth) else float(format_score)
+        return {"score": 0.0, "pred": INVALID}
+    value = float(score) if answer == str(ground_truth) else float(format_score)
+    return {"score": value, "pred": answer}

@@ -92,5 +92,14 @@ def is_equiv(a: str | None, b: str | None) -> bool:
 
 def compute_score(solution_str: str, ground_truth: str) -> float:
     """1.0 if the last boxed answer is equivalent to `ground_truth`, else 0.0."""
+    return score_and_pred(solution_str, ground_truth)["score"]
+
+
+def score_and_pred(solution_str: str, ground_truth: str) -> dict:
+    """`compute_score` with the answer: `{"score": float, "pred": str}`, the last boxed
+    answer normalised by `strip_string` (equivalent answers vote alike), "[INVALID]" if none."""
     answer = last_boxed(solution_str)
-    return 1.0 if answer is not None and is_equiv(answer, str(ground_truth)) else 0.0
+    if answer is None:
+        return {"score": 0.0, "pred": "[INVALID]"}
+    return {"score": 1.0 if is_equiv(answer, str(ground_truth)) else 0.0,
+            "pred": strip_string(answer)}

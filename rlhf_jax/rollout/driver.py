@@ -82,12 +82,66 @@ def _pow2_at_least(x: int, cap: int) -> int:
     return min(b, cap)
 
 
+# Prompt tokens per prefill call by default: prefill's activations stay those of a few
+# thousand tokens, while a short-prompt rollout prefills all its prompts in one call.
+PREFILL_TOKENS = 8192
+
+
+def default_prefill_batch(slots: int, n: int, max_prefill_length: int) -> int:
+    """Prompts per prefill call when the caller names none: as many as the slots take at
+    once (`slots // n`), at most `PREFILL_TOKENS // max_prefill_length` but never capped
+    below 16 (the engine's bound before, whatever the prompt length).
+
+    Each prefill and each insert is one dispatch to every device; on a mesh of simulated CPU
+    devices a dispatch costs more than the prefill of a short prompt, so fewer, larger
+    calls decide the rollout's time there (the tiny GRPO recipe: 1 prefill of 128 prompts
+    instead of 8 of 16).
+    """
+    return max(1, min(max(slots // n, 1), max(16, PREFILL_TOKENS // max_prefill_length)))
+
+
+def _decode_steps(engine: Engine, steps_per_call: int, waiting: bool) -> int:
+    """Steps of the next generate call: a few while requests wait for a slot, else to the
+    end."""
+    return steps_per_call if waiting else max(steps_per_call, engine.max_decode_length)
+
+
+def first_programs(engine: Engine, num_prompts: int, n: int, *, steps_per_call: int = 16,
+                   max_prefill_batch: int | None = None) -> tuple[list[int], list[int]]:
+    """The prefill batch sizes and the generate step counts that `generate_sequences` runs
+    first for `num_prompts` prompts (of one prefill bucket) with `n` samples each: those of
+    its first fill of the slots and of its last generate call. Refills of a few slots
+    later on may prefill smaller batches."""
+    slots = engine.max_concurrent_decodes
+    mpb = max_prefill_batch or default_prefill_batch(slots, n, engine.max_prefill_length)
+    first = -(-min(num_prompts * n, slots) // n)  # prompts whose samples fill the slots
+    batches = sorted({_pow2_at_least(min(mpb, first - lo), mpb) for lo in range(0, first, mpb)})
+    waiting = num_prompts * n > slots
+    steps = sorted({_decode_steps(engine, steps_per_call, w) for w in {waiting, False}})
+    return batches, steps
+
+
+def precompile(engine: Engine, params, *, num_prompts: int, prompt_length: int, n: int = 1,
+               sampling: SamplingParams | None = None, steps_per_call: int = 16,
+               max_prefill_batch: int | None = None, stop=lambda: False) -> None:
+    """Compiles ahead of time, without running them, the engine programs that
+    `generate_sequences` needs first for `num_prompts` prompts of up to `prompt_length`
+    tokens, `n` samples each (`first_programs`); see `Engine.precompile` (for a background
+    thread; `params` may be shapes; `stop()` true: no more programs)."""
+    batches, steps = first_programs(engine, num_prompts, n, steps_per_call=steps_per_call,
+                                    max_prefill_batch=max_prefill_batch)
+    engine.precompile(params, prefill_batches=batches, length=prompt_length, num_samples=n,
+                      generate_steps=steps, sampler=engine.resolve_sampling(sampling),
+                      stop=stop)
+
+
 class _Rollout:
     """The host-side bookkeeping of one `generate_sequences` call."""
 
     def __init__(self, engine: Engine, params, rows, n: int, sampling: SamplingParams, rng,
-                 max_prefill_batch: int):
+                 max_prefill_batch: int, max_lengths: np.ndarray | None = None):
         self.engine, self.params, self.rows, self.n = engine, params, rows, n
+        self.max_lengths = max_lengths
         self.sampling, self.rng = sampling, rng
         self.max_prefill_batch = max_prefill_batch
         self.total = len(rows) * n
@@ -138,8 +192,10 @@ class _Rollout:
         by_id = {id(p): p for p, _ in self.prefixes.values()}
         for key, items in groups.items():
             slots, rows, samples = zip(*items, strict=True)
+            lims = None if self.max_lengths is None else [
+                self.max_lengths[self.slot_request[s]] for s in slots]
             state = self.engine.bulk_insert(by_id[key], state, slots, rows=rows,
-                                            samples=samples)
+                                            samples=samples, max_lengths=lims)
             self.stats["insert_calls"] += 1
         # Prompts whose n samples are all inserted need their prefix no more.
         still_needed = self.next_request // self.n
@@ -154,7 +210,8 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
                        sampling: SamplingParams | None = None, rng=0,
                        truncation: Truncation = "error", steps_per_call: int = 16,
                        refill_min_free: int = 1,
-                       max_prefill_batch: int | None = None) -> RolloutBatch:
+                       max_prefill_batch: int | None = None,
+                       max_lengths=None) -> RolloutBatch:
     """Samples n responses for each prompt of a left-padded batch.
 
     Args:
@@ -173,7 +230,9 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
         to refill, so more calls would only add host round trips.
       refill_min_free: while requests wait, a call returns as soon as this many slots have
         finished, so they are refilled at once (1: after every finish).
-      max_prefill_batch: prompts per prefill call (default min(slots, 16)).
+      max_prefill_batch: prompts per prefill call (default: `default_prefill_batch`).
+      max_lengths: [B*n] int, request i*n+j's own response-length limit, in
+        [1, sampling.max_response_length] (None: the sampler's for every request).
 
     Returns:
       A `RolloutBatch` of B*n rows, row i*n+j = sample j of prompt i.
@@ -185,9 +244,15 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
     rng = jax.random.key(rng) if isinstance(rng, int | np.integer) else rng
     params = reshard(params, engine.param_shardings)
     slots = engine.max_concurrent_decodes
-    run = _Rollout(engine, params, rows, n, sampling, rng,
-                   max_prefill_batch or min(slots, 16))
     r = sampling.max_response_length
+    if max_lengths is not None:
+        max_lengths = np.asarray(max_lengths)
+        if max_lengths.shape != (len(rows) * n,) or not np.all((max_lengths >= 1)
+                                                               & (max_lengths <= r)):
+            raise DataError(f"max_lengths must be {len(rows) * n} (B*n) response lengths in "
+                            f"[1, {r}], got shape {max_lengths.shape}")
+    run = _Rollout(engine, params, rows, n, sampling, rng, max_prefill_batch
+                   or default_prefill_batch(slots, n, engine.max_prefill_length), max_lengths)
     responses = np.full((run.total, r), sampling.pad_id, np.int32)
     log_probs = np.zeros((run.total, r), np.float32)
     raw_log_probs = np.zeros((run.total, r), np.float32)
@@ -200,7 +265,7 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
         waiting = run.next_request < run.total
         empty = sum(r < 0 for r in run.slot_request)
         stop = empty + refill_min_free if waiting else None
-        steps = steps_per_call if waiting else max(steps_per_call, engine.max_decode_length)
+        steps = _decode_steps(engine, steps_per_call, waiting)
         state, _ = engine.generate_steps(params, state, steps, sampling, stop_when_done=stop)
         run.stats["generate_calls"] += 1
         # The one sync per call: which slots finished. `fetch` gathers the slots of every

@@ -19,7 +19,10 @@ bucket, R max_decode_length, V vocabulary, K kv heads, H head dim; the KV cache 
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
+import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,6 +91,9 @@ class Engine:
         # ("insert", b, T, m), ("generate", steps, sampler), ("init", key shape).
         self.trace_counts: collections.Counter[tuple] = collections.Counter()
         self._jits: dict[tuple, Any] = {}
+        # Programs a `precompile` (maybe in another thread) is compiling: key -> (done, thread).
+        self._pending: dict[tuple, tuple[threading.Event, int]] = {}
+        self._lock = threading.Lock()
         self._jit_kw = {"compiler_options": dict(compiler_options)} if compiler_options else {}
         self._replicated = NamedSharding(mesh, P())
 
@@ -130,8 +136,9 @@ class Engine:
         bt = self._sharding(("cache_batch", None), (b, t))
         return ResultTokens(bt, bt, self._sharding(("cache_batch",), (b,)), bt, bt)
 
-    def decode_state_shardings(self) -> DecodeState:
-        c, s, r = self.model.cfg, self._slots, self.max_decode_length
+    def decode_state_shardings(self, slots: int | None = None) -> DecodeState:
+        """Shardings of the decode state (of `slots` slots; default: the engine's)."""
+        c, s, r = self.model.cfg, slots or self._slots, self.max_decode_length
         cache_shape = (c.num_hidden_layers, s, c.num_key_value_heads, self.cache_length,
                        c.head_dim)
         cache = self._sharding(CACHE_AXES, cache_shape)
@@ -139,7 +146,7 @@ class Engine:
         rows = self._sharding(("cache_batch", None), (s, r))
         rep = NamedSharding(self._mesh, P())
         return DecodeState(KVCache(cache, cache), row, row, row, row, row, rows, rows, rows,
-                           rep, rep)
+                           rep, rep, row)
 
     def get_prefix_destination_sharding(self, batch: int = 1, length: int | None = None,
                                         num_samples: int = 1):
@@ -161,10 +168,18 @@ class Engine:
         return s
 
     def _jit(self, key: tuple, build):
-        """The jitted function of `key`, built once; its traces are counted in `trace_counts`."""
-        if key not in self._jits:
-            self._jits[key] = build()
-        return self._jits[key]
+        """The jitted function of `key`, built once; its traces are counted in `trace_counts`.
+
+        While another thread's `precompile` compiles it, this waits for that compile rather
+        than compiling the program a second time.
+        """
+        with self._lock:
+            if key not in self._jits:
+                self._jits[key] = build()
+            fn, pending = self._jits[key], self._pending.get(key)
+        if pending is not None and pending[1] != threading.get_ident():
+            pending[0].wait()
+        return fn
 
     def _traced(self, key: tuple) -> None:
         self.trace_counts[key] += 1  # a Python side effect: runs once per trace
@@ -211,26 +226,53 @@ class Engine:
 
     def init_decode_state(self, rng=None) -> DecodeState:
         """All slots empty (done); `rng` seeds every request's sampling (default key 0)."""
+        key, build, args = self._init_call(rng)
+        return self._jit(key, build)(*args)
+
+    def _init_call(self, rng):
+        """`(key, build, args)` of `init_decode_state(rng)`."""
         rng_data = key_data(0 if rng is None else rng)
 
         def build():
-            s, r = self._slots, self.max_decode_length
-
             def init(rng_data):
                 self._traced(("init", rng_data.shape))
-                cache = self.model.init_cache(s, self.cache_length)
-                zi = jnp.zeros((s,), jnp.int32)
-                return DecodeState(
-                    cache, zi, zi, zi, jnp.ones((s,), bool), zi, jnp.zeros((s, r), jnp.int32),
-                    jnp.zeros((s, r), jnp.float32), jnp.zeros((s, r), jnp.float32), rng_data,
-                    jnp.zeros((), jnp.int32),
-                )
+                return self._empty_state(self._slots, rng_data)
 
             return jax.jit(init, out_shardings=self.decode_state_shardings(),
                            **self._jit_kw)
 
-        return self._jit(("init", rng_data.shape), build)(
-            jax.device_put(rng_data, self._replicated))
+        return ("init", rng_data.shape), build, (jax.device_put(rng_data, self._replicated),)
+
+    def _empty_state(self, s: int, rng_data) -> DecodeState:
+        """`s` empty slots (traced inside `init_decode_state`)."""
+        r = self.max_decode_length
+        cache = self.model.init_cache(s, self.cache_length)
+        zi = jnp.zeros((s,), jnp.int32)
+        return DecodeState(
+            cache, zi, zi, zi, jnp.ones((s,), bool), zi, jnp.zeros((s, r), jnp.int32),
+            jnp.zeros((s, r), jnp.float32), jnp.zeros((s, r), jnp.float32), rng_data,
+            jnp.zeros((), jnp.int32), jnp.full((s,), r, jnp.int32),
+        )
+
+    def decode_state_bytes(self, slots: int | None = None) -> int:
+        """Bytes of the decode state (of `slots` slots; default: the engine's) on the device
+        that holds the most of it: KV cache and per-slot buffers, on the generate layout."""
+        s = slots or self._slots
+        shapes = jax.eval_shape(lambda: self._empty_state(s, jnp.zeros((2,), jnp.uint32)))
+        per_device = jax.tree.map(
+            lambda x, sh: math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize, shapes,
+            self.decode_state_shardings(s))
+        return int(sum(jax.tree.leaves(per_device)))
+
+    def with_slots(self, slots: int) -> Engine:
+        """The same engine with `slots` decode slots (nothing compiled carried over)."""
+        if slots < 1:
+            raise ConfigError(f"rollout engine: max_concurrent_decodes must be >= 1, got {slots}")
+        out = copy.copy(self)
+        out._slots = slots
+        out.trace_counts = collections.Counter()
+        out._jits, out._pending, out._lock = {}, {}, threading.Lock()
+        return out
 
     def free_resource(self, slot: int) -> None:
         """Nothing to free: the dense cache row is overwritten by the next `insert`."""
@@ -257,6 +299,13 @@ class Engine:
         Returns:
           (Prefix with cache [L, b, T', K, H], ResultTokens [b*m, 1] with samples_per_slot m).
         """
+        key, build, args = self._prefill_call(params, existing_prefix, padded_tokens,
+                                              true_length, sampler, request_id, rng, num_samples)
+        return self._jit(key, build)(*args)
+
+    def _prefill_call(self, params, existing_prefix, padded_tokens, true_length, sampler,
+                      request_id, rng, num_samples):
+        """`(key, build, args)` of `prefill(...)`."""
         sampler = self.resolve_sampling(sampler)
         tokens = padded_tokens if isinstance(padded_tokens, jax.Array) else np.asarray(
             padded_tokens, np.int32
@@ -283,13 +332,12 @@ class Engine:
             np.asarray(request_id, np.int32), (b,)).copy()
         rng_data = key_data(0 if rng is None else rng)
         key = ("prefill", b, bucket, t0, num_samples, sampler)
-        fn = self._jit(key, lambda: self._build_prefill(key, b, bucket, t0, num_samples,
-                                                        sampler))
+        build = lambda: self._build_prefill(key, b, bucket, t0, num_samples, sampler)
         row = self._sharding(("cache_batch",), (b,))
         tokens, lengths, rids, rng_data = jax.device_put(  # explicit: no implicit transfers
             (tokens, lengths, rids, rng_data),
             (self._sharding(("cache_batch", None), tokens.shape), row, row, self._replicated))
-        return fn(params, existing_prefix, tokens, lengths, rids, rng_data)
+        return key, build, (params, existing_prefix, tokens, lengths, rids, rng_data)
 
     def _build_prefill(self, key, b: int, t: int, t0: int, m: int, sampler: SamplingParams):
         def prefill(params, existing, tokens_bt, lengths_b, rids_b, rng_data):
@@ -344,7 +392,8 @@ class Engine:
 
     def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int], *,
                     rows: Sequence[int] | None = None,
-                    samples: Sequence[int] | None = None) -> DecodeState:
+                    samples: Sequence[int] | None = None,
+                    max_lengths: Sequence[int] | None = None) -> DecodeState:
         """Puts prefix samples into decode slots (the state is donated).
 
         Args:
@@ -353,9 +402,18 @@ class Engine:
           slots: target slots.
           rows: the prefix row of each slot (default 0: JetStream's one prefix, many slots).
           samples: the sample of each slot (default 0, 1, ... modulo the prefix's samples).
+          max_lengths: each slot's response-length limit (default: the sampler's alone); the
+            slot finishes after that many tokens, as at the sampler's limit.
 
         One compile per prefix shape: the slot list is padded to `max_concurrent_decodes`.
         """
+        key, build, args = self._insert_call(prefix, decode_state, slots, rows=rows,
+                                             samples=samples, max_lengths=max_lengths)
+        return self._jit(key, build)(*args)
+
+    def _insert_call(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int], *,
+                     rows=None, samples=None, max_lengths=None):
+        """`(key, build, args)` of `bulk_insert(...)`."""
         k = len(slots)
         b, t = prefix.cache.k.shape[1], prefix.cache.k.shape[3]
         m = prefix.tokens.shape[1]
@@ -366,15 +424,17 @@ class Engine:
         rows_ = pad(np.zeros(k) if rows is None else rows, 0)
         samples_ = pad(np.arange(k) % m if samples is None else samples, 0)
         slots_ = pad(slots, self._slots)  # out of range: dropped by the scatter
+        r = self.max_decode_length
+        lims_ = pad(np.full(k, r) if max_lengths is None else max_lengths, r)
         key = ("insert", b, t, m)
-        fn = self._jit(key, lambda: self._build_insert(key, b, t, m))
-        return fn(decode_state, prefix, *jax.device_put((rows_, samples_, slots_),
-                                                         self._replicated))
+        return key, lambda: self._build_insert(key, b, t, m), (
+            decode_state, prefix, *jax.device_put((rows_, samples_, slots_, lims_),
+                                                  self._replicated))
 
     def _build_insert(self, key, b: int, t: int, m: int):
         r = self.max_decode_length
 
-        def insert(state: DecodeState, prefix: Prefix, rows_k, samples_k, slots_k):
+        def insert(state: DecodeState, prefix: Prefix, rows_k, samples_k, slots_k, lims_k):
             self._traced(key)
             first_kr = jnp.arange(r)[None] == 0
             pick = lambda x: x[rows_k, samples_k]
@@ -393,7 +453,8 @@ class Engine:
                 state, cache=cache, tokens=put(state.tokens, pick(prefix.tokens)),
                 write_index=put(state.write_index, prefix.true_length[rows_k]),
                 generated=put(state.generated, jnp.ones_like(slots_k)),
-                done=put(state.done, pick(prefix.done)),
+                done=put(state.done, pick(prefix.done) | (lims_k <= 1)),
+                max_length=put(state.max_length, lims_k),
                 request_id=put(state.request_id, prefix.request_id[rows_k] + samples_k),
                 response=put_first(state.response, pick(prefix.tokens), 0),
                 log_probs=put_first(state.log_probs, pick(prefix.log_probs), 0.0),
@@ -402,7 +463,8 @@ class Engine:
 
         st = self.decode_state_shardings()
         rep = NamedSharding(self._mesh, P())
-        return jax.jit(insert, in_shardings=(st, self._prefix_shardings(b, t, m), rep, rep, rep),
+        return jax.jit(insert, in_shardings=(st, self._prefix_shardings(b, t, m), rep, rep, rep,
+                                             rep),
                        out_shardings=st, donate_argnums=0, **self._jit_kw)
 
     # --------------------------------------------------------------------------- generate
@@ -421,7 +483,8 @@ class Engine:
         col_sr = (jnp.arange(self.max_decode_length)[None] == state.generated[:, None])
         col_sr &= active_s[:, None]
         generated_s = state.generated + active_s
-        finished_s = is_eos(tok_s, sampler.eos_ids) | (generated_s >= sampler.max_response_length)
+        limit_s = jnp.minimum(state.max_length, sampler.max_response_length)
+        finished_s = is_eos(tok_s, sampler.eos_ids) | (generated_s >= limit_s)
         new = dataclasses.replace(
             state, cache=cache, tokens=jnp.where(active_s, tok_s, state.tokens),
             write_index=wi_s + active_s, generated=generated_s,
@@ -448,11 +511,17 @@ class Engine:
         caller with queued requests can refill a finished slot at once. ResultTokens are
         [S, num_steps]; steps not run are not valid.
         """
+        key, build, args = self._generate_call(params, decode_state, num_steps, sampler,
+                                               stop_when_done)
+        return self._jit(key, build)(*args)
+
+    def _generate_call(self, params, decode_state, num_steps, sampler, stop_when_done):
+        """`(key, build, args)` of `generate_steps(...)`."""
         sampler = self.resolve_sampling(sampler)
         key = ("generate", num_steps, sampler)
-        fn = self._jit(key, lambda: self._build_generate(key, num_steps, sampler))
         stop = self._slots if stop_when_done is None else stop_when_done
-        return fn(params, decode_state, jax.device_put(np.int32(stop), self._replicated))
+        return key, lambda: self._build_generate(key, num_steps, sampler), (
+            params, decode_state, jax.device_put(np.int32(stop), self._replicated))
 
     def _build_generate(self, key, k: int, sampler: SamplingParams):
         s = self._slots
@@ -492,3 +561,64 @@ class Engine:
         return jax.jit(generate, in_shardings=(self.param_shardings, st, rep),
                        out_shardings=(st, self._result_shardings(s, k)), donate_argnums=1,
                        **self._jit_kw)
+
+    # ----------------------------------------------------------- ahead-of-time compiling
+
+    def _claim(self, key: tuple, build) -> bool:
+        """Builds `key`'s function for this thread to compile; False if it exists already
+        (built, so compiled or being compiled by its first caller)."""
+        with self._lock:
+            if key in self._jits:
+                return False
+            self._jits[key] = build()
+            self._pending[key] = (threading.Event(), threading.get_ident())
+            return True
+
+    def _compiled(self, call) -> Any:
+        """Compiles the program of `call` = `(key, build, args)` without running it (if no
+        one built it before) and returns its outputs' shapes and shardings."""
+        key, build, args = call
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(  # an uncommitted array may go anywhere
+                x.shape, x.dtype, sharding=x.sharding if getattr(x, "committed", True) else None)
+            if isinstance(x, jax.Array | jax.ShapeDtypeStruct) else x, args)
+        claimed = self._claim(key, build)
+        fn = self._jits[key]
+        try:
+            if claimed:
+                fn.lower(*abstract).compile()
+            return jax.eval_shape(fn, *abstract)
+        finally:
+            if claimed:
+                with self._lock:
+                    self._pending.pop(key)[0].set()
+
+    def precompile(self, params, *, prefill_batches: Sequence[int], length: int,
+                   num_samples: int = 1, generate_steps: Sequence[int] = (),
+                   sampler: SamplingParams | None = None, stop=lambda: False) -> None:
+        """Compiles the programs of a rollout ahead of time, running none of them: the
+        decode state's init, a prefill of b prompts padded to `length`'s bucket with
+        `num_samples` samples and its `bulk_insert` (for each b of `prefill_batches`), and
+        `generate_steps` of each step count of `generate_steps`, for `sampler`.
+
+        Meant for a background thread: no device memory is used (the arguments are
+        shapes), and a call in another thread that needs one of these programs while it
+        compiles waits for it instead of compiling it twice. Programs built before are
+        skipped. `params` may be arrays or `jax.ShapeDtypeStruct`s with shardings. `stop()`
+        true: no more programs (checked before each).
+        """
+        state = self._compiled(self._init_call(None))
+        bucket = self.bucket_for(length)
+        for b in prefill_batches:
+            if stop():
+                return
+            tokens = np.zeros((b, bucket), np.int32)
+            prefix, _ = self._compiled(self._prefill_call(
+                params, None, tokens, np.ones(b, np.int32), sampler, None, None, num_samples))
+            if stop():
+                return
+            state = self._compiled(self._insert_call(prefix, state, [0]))
+        for steps in generate_steps:
+            if stop():
+                return
+            state, _ = self._compiled(self._generate_call(params, state, steps, sampler, None))

@@ -81,6 +81,7 @@ class DecodeState:
     whose keys go to cache row `write_index` (= its RoPE position); `generated` counts its
     response tokens, which accumulate in `response` / `log_probs` / `raw_log_probs`.
     An empty or finished slot has `done` set and is left untouched by `generate`.
+    `max_length` is the request's own response-length limit (at most the sampler's).
     """
 
     cache: KVCache  # [L, S, K, C, H]
@@ -94,6 +95,7 @@ class DecodeState:
     raw_log_probs: Any  # [S, R] float32
     rng: Any  # raw key data
     steps: Any  # [] int32 generate steps run on this state
+    max_length: Any  # [S] int32 the slot's response-length limit
 
 
 def default_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from rlhf_jax.errors import ConfigError
-from rlhf_jax.tasks import addition
+from rlhf_jax.tasks import addition, wordproblems
 
-TASKS = {"addition": addition}
+TASKS = {"addition": addition, "wordproblems": wordproblems}
 
 
 def prepare(cfg) -> list[str]:
