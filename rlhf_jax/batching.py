@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from rlhf_jax import packing
 from rlhf_jax.errors import ConfigError
 
 
@@ -129,3 +130,41 @@ def fetch(tree):
         return np.asarray(x)
 
     return jax.tree.map(one, tree)
+
+
+def put_packed(packed: packing.Packed, mesh, batch_axes: tuple[str, ...],
+               lead: int) -> packing.Packed:
+    """A host `Packed` (with `lead` leading axes) onto the mesh: each rank's rows and slots
+    on its own devices, `active` everywhere."""
+    return packing.Packed(put(packed.rows, mesh, batch_axes, lead + 1),
+                          replicated(packed.active, mesh),
+                          put(packed.where, mesh, batch_axes, lead),
+                          put(packed.micro, mesh, batch_axes, lead),
+                          put(packed.response_mask, mesh, batch_axes, lead))
+
+
+def arrange(seqs, extra: dict, order: np.ndarray, mesh, batch_axes: tuple[str, ...],
+            pack_plan: packing.PackPlan | None = None):
+    """An update's batch on the mesh: `((seqs, extra), token_count[U], seq_count[U],
+    unarrange)`.
+
+    Padded (`pack_plan` None): the rows in `order` `[U, K, m, ...]`. Packed: each mini-batch
+    `order[u]` packed by `pack_plan`, `extra`'s per-sequence arrays in its slots `[U, M, ...]`.
+    `unarrange(x)` takes an output of one update back to the rollout's row order.
+    """
+    n = seqs.input_ids.shape[0]
+    if pack_plan is None:
+        host = jax.tree.map(lambda x: x[order], (seqs, extra))
+        mask = host[0].loss_mask
+        token_count, seq_count = mask.sum(axis=(1, 2, 3)), (mask.sum(-1) > 0).sum(axis=(1, 2))
+        dev = put(host, mesh, batch_axes, lead=2)
+        back = lambda x: unarrange(x, order)
+    else:
+        packed, slots = packing.pack(pack_plan, seqs, order.reshape(order.shape[0], -1))
+        mask = packed.response_mask
+        token_count, seq_count = mask.sum(axis=(1, 2)), (mask.sum(-1) > 0).sum(axis=1)
+        dev = (put_packed(packed, mesh, batch_axes, lead=1),
+               put(jax.tree.map(lambda x: np.asarray(x)[slots], extra), mesh, batch_axes, 1))
+        back = lambda x: packing.from_slots(x, slots, n)
+    count = lambda x: jax.numpy.asarray(x.astype(np.float32))
+    return dev, count(token_count), count(seq_count), back

@@ -16,70 +16,37 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from rlhf_jax import core_algos
-from rlhf_jax.models import Model, head
+from rlhf_jax.forward import (  # noqa: F401  (re-exported: ts.Sequences, ts.log_probs_step, ...)
+    Sequences,
+    gather_slots,
+    in_micro,
+    log_probs_step,
+    packed_log_probs_step,
+    packed_values_step,
+    response_logits,
+    response_terms,
+    response_values,
+    values_step,
+)
+from rlhf_jax.models import Model
+from rlhf_jax.optim import (  # noqa: F401  (re-exported: ts.OptimConfig, ts.init_state, ...)
+    ALL_TRAINABLE,
+    OptimConfig,
+    Trainable,
+    TrainState,
+    init_state,
+    lr_schedule,
+    make_optimizer,
+    step_schedule,
+)
 from rlhf_jax.packing import Packed
-
-
-class TrainState(NamedTuple):
-    """Parameters and optimizer state of one role, plus the rollback learning-rate scale."""
-
-    params: Any
-    opt_state: Any
-    step: jax.Array  # optimizer steps taken (int32)
-    lr_scale: jax.Array  # multiplies the schedule; rollback lowers it (float32)
-    skipped: jax.Array  # updates skipped for a non-finite gradient norm (int32)
-
-
-class Sequences(NamedTuple):
-    """Token rows that carry their own layout, `[..., B, T]`; what every forward pass reads.
-
-    `positions` are the RoPE positions and `segment_ids` say which tokens attend to which: a
-    query sees the earlier keys of its own segment (0 is padding, never seen). The last W
-    positions of a row hold its `targets` window: `targets[..., w]` is the token at
-    position T - W + w, predicted from the one before it, and `loss_mask` marks the targets
-    that count (the response tokens). A padded rollout row (`padded`) is one segment, its
-    window the response; a packed row holds several segments, its window the whole row
-    after the first token. Both are batches for the same functions.
-    """
-
-    input_ids: jax.Array  # [..., B, T] int32
-    positions: jax.Array  # [..., B, T] int32
-    segment_ids: jax.Array  # [..., B, T] int32, 0 on padding
-    targets: jax.Array  # [..., B, W] int32, the tokens of the last W positions
-    loss_mask: jax.Array  # [..., B, W] int32, 1 on the targets that count
-
-    @classmethod
-    def padded(cls, input_ids, attention_mask, responses, response_mask) -> Sequences:
-        """Rollout rows `prompt (left-padded) + response (right-padded)`: one segment each,
-        positions counted from the first real token, the response as the targets window.
-        numpy in, numpy out (jax arrays: jax)."""
-        xp = jnp if isinstance(attention_mask, jax.Array) else np
-        mask = attention_mask.astype(xp.int32)
-        positions = xp.maximum(xp.cumsum(mask, axis=-1) - 1, 0).astype(xp.int32)
-        return cls(input_ids.astype(xp.int32), positions, mask, responses.astype(xp.int32),
-                   response_mask.astype(xp.int32))
-
-    @property
-    def responses(self):
-        return self.targets
-
-    @property
-    def response_mask(self):
-        return self.loss_mask
-
-    @property
-    def head_slice(self) -> slice:
-        """The positions whose outputs predict the targets (static: from the shapes)."""
-        w = self.targets.shape[-1]
-        return slice(-w - 1, -1)
 
 
 class ActorBatch(NamedTuple):
@@ -107,34 +74,6 @@ class CriticRolloutBatch(NamedTuple):
     rewards: jax.Array  # [1, K, m, R] token-level rewards (scores and KL penalty)
     token_count: jax.Array  # [1]
     seq_count: jax.Array  # [1]
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    lr: float
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    warmup_style: str = "constant"  # constant | cosine
-    min_lr_ratio: float = 0.0
-    total_steps: int = 1
-    grad_clip: float = 1.0
-
-    @classmethod
-    def from_config(cls, optim, grad_clip: float, total_steps: int) -> OptimConfig:
-        """verl's `*.optim` keys (and the role's `grad_clip`) as the optimizer runs them:
-        warm-up steps from `lr_warmup_steps_ratio` when `lr_warmup_steps` is -1, the
-        schedule's length from the run's when `total_training_steps` is -1."""
-        warmup = optim.lr_warmup_steps
-        if warmup < 0:
-            warmup = int(optim.lr_warmup_steps_ratio * total_steps)
-        total = optim.total_training_steps if optim.total_training_steps > 0 else total_steps
-        return cls(
-            lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
-            eps=optim.eps, warmup_steps=warmup, warmup_style=optim.warmup_style,
-            min_lr_ratio=optim.min_lr_ratio, total_steps=max(total, 1), grad_clip=grad_clip,
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,227 +122,6 @@ class ActorLoss:
 class CriticLoss:
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
-
-
-def lr_schedule(cfg: OptimConfig):
-    """verl's schedules: linear warm-up, then constant or cosine down to min_lr_ratio * lr."""
-    warm = max(cfg.warmup_steps, 0)
-
-    def schedule(step):
-        step = jnp.asarray(step, jnp.float32)
-        ramp = jnp.where(warm > 0, jnp.minimum(step / max(warm, 1), 1.0), 1.0)
-        if cfg.warmup_style == "cosine":
-            span = max(cfg.total_steps - warm, 1)
-            progress = jnp.clip((step - warm) / span, 0.0, 1.0)
-            cos = 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
-            decay = cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cos
-            return cfg.lr * jnp.where(step < warm, ramp, decay)
-        return cfg.lr * ramp
-
-    return schedule
-
-
-def step_schedule(cfg: OptimConfig, updates_per_step: int = 1):
-    """`lr_schedule` indexed by optimizer updates when each PPO step makes `updates_per_step`.
-
-    verl steps its scheduler once per `update_actor` / `update_critic` call, so warm-up and
-    decay are counted in training steps (as `warmup_steps` and `total_steps` are) and the
-    learning rate is constant within a step: update k uses the schedule at `k // U`.
-    """
-    schedule, u = lr_schedule(cfg), max(int(updates_per_step), 1)
-    return lambda count: schedule(jnp.asarray(count) // u)
-
-
-def make_optimizer(cfg: OptimConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
-    """AdamW on the schedule; clipping and the rollback scale are applied by the update.
-
-    The optimizer state does not depend on `updates_per_step` (only the learning rate read
-    from its update count does), so `init_state` may build it with the default.
-    """
-    return optax.adamw(
-        step_schedule(cfg, updates_per_step), b1=cfg.betas[0], b2=cfg.betas[1], eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Trainable:
-    """Which parameters an update trains: `where(path) -> bool` over the paths of the
-    parameter tree (`jax.tree_util.keystr` strings, e.g. "['model']['embed_tokens']..."),
-    None for all of them. The rest is frozen: no gradient, no optimizer state, unchanged.
-    (LoRA: the adapters trainable on a frozen base.)"""
-
-    where: Any = None  # Callable[[str], bool] | None
-
-    def split(self, params):
-        """`(trainable, frozen)`: two trees of `params`' structure, each with None where the
-        other holds the leaf. Everything trainable: `(params, None)`."""
-        if self.where is None:
-            return params, None
-        pick = lambda keep: jax.tree_util.tree_map_with_path(
-            lambda path, x: x if self.where(jax.tree_util.keystr(path)) == keep else None,
-            params)
-        return pick(True), pick(False)
-
-    def merge(self, trainable, frozen):
-        if frozen is None:
-            return trainable
-        return jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen,
-                            is_leaf=lambda x: x is None)
-
-
-ALL_TRAINABLE = Trainable()
-
-
-def init_state(params, tx: optax.GradientTransformation,
-               trainable: Trainable = ALL_TRAINABLE) -> TrainState:
-    """A fresh state; the optimizer moments inherit the parameters' shardings.
-
-    The moments are created with explicit `out_shardings`: `jax.jit(tx.init)` alone would
-    leave their layout to XLA, which replicates the zeros (4x the per-device bytes of the
-    moments on a 2x2 fsdp x tensor mesh). Counts and other scalars are replicated.
-    """
-    mesh_of = [x.sharding.mesh for x in jax.tree.leaves(params)
-               if isinstance(x.sharding, jax.sharding.NamedSharding)]
-    train = trainable.split(params)[0]  # the optimizer state exists for this part only
-    if not mesh_of:
-        opt_state = jax.jit(tx.init)(train)
-    else:
-        replicated = jax.sharding.NamedSharding(mesh_of[0], jax.sharding.PartitionSpec())
-        shardings = optax.tree_map_params(
-            tx, lambda _, sh: sh, jax.eval_shape(tx.init, train),
-            jax.tree.map(lambda x: x.sharding, train),
-            transform_non_params=lambda _: replicated)
-        opt_state = jax.jit(tx.init, out_shardings=shardings)(train)
-    state = TrainState(
-        params, opt_state, jnp.zeros((), jnp.int32), jnp.ones((), jnp.float32),
-        jnp.zeros((), jnp.int32),
-    )
-    # Scalars (steps, counts) go onto the parameters' mesh, replicated, so that the state's
-    # shardings are the same before and after a step and the step compiles once.
-    if not mesh_of:
-        return state
-    return jax.tree.map(
-        lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding)
-        else jax.device_put(x, replicated),
-        state,
-    )
-
-
-# ----------------------------------------------------------------------------- forward passes
-
-
-def response_logits(model: Model, params, seqs: Sequences, temperature: float = 1.0):
-    """Logits that predict each target token: [B, W, V] (divided by the temperature)."""
-    logits_bwv = model.forward(params, seqs.input_ids, head_slice=seqs.head_slice,
-                               positions=seqs.positions, segment_ids=seqs.segment_ids)
-    return logits_bwv / temperature
-
-
-def response_terms(model: Model, params, seqs: Sequences, temperature: float = 1.0,
-                   chunk_size: int | None = None, *, with_entropy: bool = True,
-                   entropy_grad: bool = False):
-    """Log-probs of the targets and their entropy, `[B, W]` each (entropy None without
-    `with_entropy`; no gradient through it without `entropy_grad`).
-
-    `chunk_size` (`lm_head_chunk_size`: tokens a device puts through the LM head at once,
-    0 off, None automatic; `head.chunk_positions`) picks the chunked head, which never
-    builds the float32 logits of the whole micro-batch (`head.model_token_terms`); else
-    they come from the full logits."""
-    chunk = head.chunk_positions(chunk_size, model, seqs.targets.shape)
-    if chunk:
-        logp, ent = head.model_token_terms(
-            model, params, seqs.input_ids, seqs.positions, seqs.segment_ids, seqs.head_slice,
-            seqs.targets, chunk=chunk, temperature=temperature, with_entropy=with_entropy,
-            entropy_grad=entropy_grad)
-        return logp, (ent if with_entropy else None)
-    logits = response_logits(model, params, seqs, temperature)
-    logp = core_algos.logprobs_from_logits(logits, seqs.targets)
-    if not with_entropy:
-        return logp, None
-    ent_logits = logits if entropy_grad else jax.lax.stop_gradient(logits)
-    return logp, core_algos.entropy_from_logits(ent_logits)
-
-
-def response_values(model: Model, params, seqs: Sequences):
-    """Values of the state before each target token, zero outside the loss mask: [B, W]."""
-    values_bw = model.forward(params, seqs.input_ids, head_slice=seqs.head_slice,
-                              positions=seqs.positions, segment_ids=seqs.segment_ids)
-    return values_bw * seqs.loss_mask
-
-
-def log_probs_step(params, seqs: Sequences, *, model: Model, temperature: float,
-                   with_entropy: bool = False, lm_head_chunk_size: int | None = None):
-    """Log-probs (and entropy) of the responses, micro-batched over the leading axis.
-
-    Args:
-      seqs: arrays `[K, m, ...]`; K chunks run one after another (bounds activation memory).
-      lm_head_chunk_size: the role's `lm_head_chunk_size` (`response_terms`).
-    Returns:
-      log_probs `[K, m, R]` (and entropy `[K, m, R]` if `with_entropy`).
-    """
-
-    params = model.split_layers(params)  # once, not per chunk
-
-    def one(chunk: Sequences):
-        logp, ent = response_terms(model, params, chunk, temperature, lm_head_chunk_size,
-                                   with_entropy=with_entropy, entropy_grad=True)
-        return (logp, ent) if with_entropy else logp
-
-    return jax.lax.map(one, seqs)
-
-
-def values_step(params, seqs: Sequences, *, model: Model):
-    """Critic values `[K, m, R]` of `[K, m, ...]` chunks."""
-    params = model.split_layers(params)
-    return jax.lax.map(lambda chunk: response_values(model, params, chunk), seqs)
-
-
-def gather_slots(x_rows, where, micro=None, k=None):
-    """Per-token values of packed rows `[..., W]` -> the slots `[M, R]` of their sequences
-    (`packing.Packed.where`), 0 off the responses. With `micro` and `k`, `x_rows` are the
-    rows of micro-batch k alone, and the slots of other micro-batches get 0."""
-    flat = x_rows.reshape(-1)
-    n = flat.shape[0]
-    if k is None:
-        idx = jnp.where(where >= 0, where, n)
-    else:
-        idx = jnp.where((where >= 0) & (micro[:, None] == k), where - k * n, n)
-    return jnp.take(flat, idx, mode="fill", fill_value=0)
-
-
-def in_micro(packed, k):
-    """`[M, 1]` 1 on the slots whose sequence is in micro-batch k."""
-    return (packed.micro == k)[:, None].astype(packed.response_mask.dtype)
-
-
-def _packed_map(fn, packed, zeros):
-    """`fn(rows)` over the micro-batches of `packed` (rows `[K, dp, T]`), skipping those no
-    rank fills; results stacked `[K, ...]`."""
-    def one(xs):
-        rows, on = xs
-        return jax.lax.cond(on, fn, lambda _: zeros, rows)
-
-    return jax.lax.map(one, (packed.rows, packed.active))
-
-
-def packed_log_probs_step(params, packed, *, model: Model, temperature: float,
-                          lm_head_chunk_size: int | None = None):
-    """`log_probs_step` on packed rows: log-probs `[M, R]` in the group's slots."""
-    params = model.split_layers(params)
-    rows = packed.rows
-    zeros = jnp.zeros(rows.targets.shape[1:], jnp.float32)
-    fn = lambda chunk: response_terms(model, params, chunk, temperature, lm_head_chunk_size,
-                                      with_entropy=False)[0].astype(jnp.float32)
-    return gather_slots(_packed_map(fn, packed, zeros), packed.where)
-
-
-def packed_values_step(params, packed, *, model: Model):
-    """`values_step` on packed rows: values `[M, R]` in the group's slots."""
-    params = model.split_layers(params)
-    zeros = jnp.zeros(packed.rows.targets.shape[1:], jnp.float32)
-    fn = lambda chunk: response_values(model, params, chunk).astype(jnp.float32)
-    return gather_slots(_packed_map(fn, packed, zeros), packed.where)
 
 
 # ------------------------------------------------------------------------------------ updates

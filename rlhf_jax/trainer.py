@@ -31,6 +31,7 @@ from rlhf_jax import (
     packing,
     paths,
     ppo,
+    programs,
     roles,
     sft,
     tasks,
@@ -44,14 +45,9 @@ from rlhf_jax.data import PromptDataset, PromptLoader
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.experience import Experience, experience_stages
 from rlhf_jax.hooks import StepInfo, trainer_hooks
-from rlhf_jax.metrics import Timer, data_metrics, peak_flops_per_device, step_perf
+from rlhf_jax.metrics import Timer, data_metrics, step_perf
 from rlhf_jax.recovery import Recovery, RunState
-from rlhf_jax.rewards import (
-    Rewards,
-    load_custom_reward_fn,
-    score_batch_info,
-    with_overlong_penalty,
-)
+from rlhf_jax.rewards import Rewards, load_custom_reward_fn, score_responses
 from rlhf_jax.rollback import RollbackWatch
 from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, reshard
 from rlhf_jax.tokenizer import load_tokenizer
@@ -210,65 +206,17 @@ class Trainer:
             max_prefill_length=d.max_prompt_length, max_decode_length=d.max_response_length,
             prefill_buckets=ro.prefill_buckets,
         )
+        from rlhf_jax.rollout import memory  # the engine's slots under its memory budget
+
+        self.engine, self.rollout_budget = memory.budgeted(
+            self.engine, self.gen_params, ro.gpu_memory_utilization)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self._compile_steps(actor, critic)
         return RunState(actor, critic, ref, self.kl_ctrl.init())
 
     def _compile_steps(self, actor, critic):
-        cfg = self.cfg
-        from rlhf_jax.rollout import memory  # the engine's slots under its memory budget
-
-        self.engine, self.rollout_budget = memory.budgeted(
-            self.engine, self.gen_params, cfg.actor_rollout_ref.rollout.gpu_memory_utilization)
-        temperature = cfg.actor_rollout_ref.rollout.temperature
-        loss = ts.ActorLoss.from_config(cfg.actor_rollout_ref.actor, temperature,
-                                        cfg.algorithm.rollout_correction)
-        # Compiled for device memory; an offloaded opt_state comes there per call.
-        state_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, actor))
-        self.actor_update = offload.onloaded(jax.jit(
-            functools.partial(ts.actor_update, model=self.actor_model, loss=loss,
-                              optim=self.actor_optim),
-            in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0,
-        ), self.offload["actor"], "opt_state")
-        log_probs = lambda chunk_size: offload.onloaded(jax.jit(
-            functools.partial(ts.log_probs_step, model=self.actor_model,
-                              temperature=temperature, with_entropy=False,
-                              lm_head_chunk_size=chunk_size),
-            in_shardings=(state_sh.params, None),
-        ), self.offload["ref"])
-        actor_chunk, ref_chunk = (r.lm_head_chunk_size for r in (cfg.actor_rollout_ref.actor,
-                                                                 cfg.actor_rollout_ref.ref))
-        self.log_probs = log_probs(actor_chunk)  # old log-probs (and ref's, when the same)
-        self.ref_log_probs = self.log_probs if ref_chunk == actor_chunk else log_probs(ref_chunk)
-        packed_log_probs = lambda chunk_size: offload.onloaded(jax.jit(
-            functools.partial(ts.packed_log_probs_step, model=self.actor_model,
-                              temperature=temperature, lm_head_chunk_size=chunk_size),
-            in_shardings=(state_sh.params, None),
-        ), self.offload["ref"])
-        self.packed_log_probs = packed_log_probs(actor_chunk)
-        self.packed_ref_log_probs = (self.packed_log_probs if ref_chunk == actor_chunk
-                                     else packed_log_probs(ref_chunk))
-        if critic is not None:
-            c, alg = cfg.critic, cfg.algorithm
-            critic_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, critic))
-            kw = dict(model=self.critic_model, optim=self.critic_optim,
-                      loss=ts.CriticLoss(c.cliprange_value, c.loss_agg_mode))
-            for name, fn, outs in (
-                ("critic_update", functools.partial(ts.critic_update, **kw), (None,)),
-                ("critic_update_from_rollout", functools.partial(
-                    ts.critic_update_from_rollout, gamma=float(alg.gamma), lam=float(alg.lam),
-                    **kw), (None, None)),
-            ):
-                step = jax.jit(fn, in_shardings=(critic_sh, None),
-                               out_shardings=(critic_sh, *outs), donate_argnums=0)
-                setattr(self, name, offload.onloaded(step, self.offload["critic"], "opt_state"))
-            self.values = jax.jit(functools.partial(ts.values_step, model=self.critic_model),
-                                  in_shardings=(critic_sh.params, None))
-            self.packed_values = jax.jit(
-                functools.partial(ts.packed_values_step, model=self.critic_model),
-                in_shardings=(critic_sh.params, None))
-        self.peak_flops = peak_flops_per_device()
+        programs.compile_steps(self, actor, critic)
 
     # ---------------------------------------------------------------- experience stages
 
@@ -314,18 +262,8 @@ class Trainer:
     def reward(self, batch, exp: Experience, n: int) -> Rewards:
         """The responses' rewards: the reward function's scores and extra info, with DAPO's
         overlong penalty (`reward_model.overlong_buffer`) when it is on."""
-        lengths = exp.response_mask.sum(-1)
-        texts = [self.tokenizer.decode(r[: int(k)].tolist())
-                 for r, k in zip(exp.seqs.targets, lengths, strict=True)]
-        rep = lambda xs: [x for x in xs for _ in range(n)]
-        rewards = score_batch_info(rep(batch.data_source), texts, rep(batch.ground_truth),
-                                   rep(batch.extra_info), custom_fn=self.reward_fn)
-        buf = self.cfg.reward_model.overlong_buffer
-        if not buf.enable:
-            return rewards
-        return with_overlong_penalty(
-            rewards, lengths, max_response_length=self.cfg.data.max_response_length,
-            buffer_len=buf.len, penalty_factor=buf.penalty_factor, log=buf.log)
+        return score_responses(self.tokenizer, batch, exp.seqs.targets, exp.response_mask, n,
+                               self.cfg, custom_fn=self.reward_fn)
 
     def _chunks(self, seqs: ts.Sequences):
         """The rows on the mesh as `[K, m, ...]` chunks for the forward passes."""
@@ -335,37 +273,9 @@ class Trainer:
         host = jax.tree.map(lambda x: batching.chunked(x, chunk), seqs)
         return batching.put(host, self.layouts.mesh, self.layouts.batch_axes, lead=1)
 
-    def _put_packed(self, packed: packing.Packed, lead: int) -> packing.Packed:
-        """Host `Packed` (with `lead` leading axes) onto the mesh: each rank's rows and
-        slots on its own devices."""
-        put = lambda x, n: batching.put(x, self.layouts.mesh, self.layouts.batch_axes, lead=n)
-        return packing.Packed(put(packed.rows, lead + 1),
-                              batching.replicated(packed.active, self.layouts.mesh),
-                              put(packed.where, lead), put(packed.micro, lead),
-                              put(packed.response_mask, lead))
-
-    def _pack(self, seqs: ts.Sequences, groups: np.ndarray, budget: int):
-        """`groups[U, M]` of the step's rows packed into rows of `budget` tokens a rank:
-        `(host Packed, slots[U, M])`."""
-        d = self.cfg.data
-        plan = packing.PackPlan(groups.shape[1], self.layouts.dp, budget, d.max_prompt_length,
-                                d.max_response_length)
-        return packing.pack(plan, seqs, groups)
-
     def forward(self, name: str, params, seqs: ts.Sequences, chunks) -> Any:
-        """One forward pass over the step's sequences, `name` old (log-probs), ref or values:
-        `[N, R]`, padded (`chunks`, `chunks()` the padded rows on the mesh) or packed by the
-        pass's token budget (`pack_budgets`)."""
-        budget = self.pack_budgets[name]
-        if budget is None:
-            fn = getattr(self, {"old": "log_probs", "ref": "ref_log_probs"}.get(name, name))
-            return batching.unchunk(fn(params, chunks())).block_until_ready()
-        n = seqs.input_ids.shape[0]
-        host, slots = self._pack(seqs, np.arange(n)[None], budget)
-        one = self._put_packed(jax.tree.map(lambda x: x[0], host), lead=0)
-        fn = getattr(self, {"old": "packed_log_probs", "ref": "packed_ref_log_probs",
-                            "values": "packed_values"}[name])
-        return packing.from_slots(batching.fetch(fn(params, one))[None], slots, n)
+        """One forward pass over the step's sequences (`programs.forward`)."""
+        return programs.forward(self, name, params, seqs, chunks)
 
     def _sampled(self, batch, seed, timer: Timer) -> tuple[Experience, Rewards]:
         """gen (and ReMax's gen_max) -> reward on `batch`: the scored experience and the
@@ -412,30 +322,11 @@ class Trainer:
     # ------------------------------------------------------------------------------ learn
 
     def _arranged(self, role: str, order, exp: Experience, extra: dict):
-        """A role's update batch on the mesh, `((seqs, extra), token_count, seq_count,
-        unarrange)`: the rows in the plan's `order` `[U, K, m, ...]`, or (packed) each
-        mini-batch `order[u]` packed by the role's token budget, `extra` in its slots;
-        `unarrange(x)` takes an output of one update back to the rollout's row order."""
-        budget, n = self.pack_budgets[role], exp.seqs.input_ids.shape[0]
-        put = lambda x, lead: batching.put(x, self.layouts.mesh, self.layouts.batch_axes,
-                                           lead=lead)
-        if budget is None:
-            host = jax.tree.map(lambda x: x[order], (exp.seqs, extra))
-            mask = host[0].loss_mask
-            token_count = mask.sum(axis=(1, 2, 3))
-            seq_count = (mask.sum(-1) > 0).sum(axis=(1, 2))
-            dev = put(host, 2)
-            unarrange = lambda x: batching.unarrange(x, order)
-        else:
-            packed, slots = self._pack(exp.seqs, order.reshape(order.shape[0], -1), budget)
-            mask = packed.response_mask
-            token_count = mask.sum(axis=(1, 2))
-            seq_count = (mask.sum(-1) > 0).sum(axis=1)
-            dev = (self._put_packed(packed, lead=1),
-                   put(jax.tree.map(lambda x: np.asarray(x)[slots], extra), 1))
-            unarrange = lambda x: packing.from_slots(x, slots, n)
-        count = lambda x: jax.numpy.asarray(x.astype(np.float32))
-        return dev, count(token_count), count(seq_count), unarrange
+        """`role`'s update batch on the mesh, padded or packed by its token budget
+        (`batching.arrange`)."""
+        plan = programs.pack_plan(self, role, order[0].size)
+        return batching.arrange(exp.seqs, extra, order, self.layouts.mesh,
+                                self.layouts.batch_axes, plan)
 
     def _update_critic(self, state: RunState, exp: Experience):
         """The critic's update; with `values_in_update` it also fills the values and the
@@ -524,26 +415,9 @@ class Trainer:
         return state, {k: float(v) for k, v in metrics.items()}
 
     def validate(self) -> dict:
-        """val_kwargs.n responses per validation prompt: verl's `val-core/<source>/<var>/
-        mean@N, maj@N/mean, best@N/mean` and the `val-aux/...` rest (validation.py)."""
-        if self.val_loader is None:
-            return {}
-        vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
-        rep = lambda xs: [x for x in xs for _ in range(vk.n)]
-        sources, uids, lengths, infos = [], [], [], []
-        seed = jax.random.key(self.cfg.trainer.seed + 2)
-        for batch in self.val_loader:
-            exp = self.generate(batch, vk.n, self.sampling(validate=True), seed)
-            rewards = self.reward(batch, exp, vk.n)
-            infos.append((len(rewards.scores),
-                          {"reward": rewards.scores.tolist(), **rewards.info}))
-            sources += rep(batch.data_source)
-            uids += rep(batch.uid)
-            lengths.append(exp.response_mask.sum(-1))
-        self.val_loader.set_state({**self.val_loader.get_state(), "epoch": 0, "step": 0})
-        return {**val_metrics.validation_metrics(sources, uids, val_metrics.join_infos(infos)),
-                **val_metrics.response_length_metrics(sources, np.concatenate(lengths),
-                                                      self.cfg.data.max_response_length)}
+        """verl's `val-core/...` and `val-aux/...` metrics of `val_kwargs.n` responses per
+        validation prompt (`validation.run`)."""
+        return {} if self.val_loader is None else val_metrics.run(self)
 
     def sync_weights(self, params=None) -> None:
         """update_weights: the actor's parameters, train layout -> the engine's generate

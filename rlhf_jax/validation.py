@@ -195,3 +195,26 @@ def join_infos(parts: Sequence[tuple[int, dict[str, Sequence[Any]]]]) -> dict[st
             out.setdefault(key, [None] * total)[start:start + rows] = list(values)
         start += rows
     return out
+
+
+def run(trainer) -> dict[str, float]:
+    """Generates `val_kwargs.n` responses for every prompt of `trainer.val_loader` (from the
+    start, seeded) and returns `validation_metrics` and `response_length_metrics` of them."""
+    import jax
+
+    vk = trainer.cfg.actor_rollout_ref.rollout.val_kwargs
+    rep = lambda xs: [x for x in xs for _ in range(vk.n)]
+    sources, uids, lengths, infos = [], [], [], []
+    seed = jax.random.key(trainer.cfg.trainer.seed + 2)
+    for batch in trainer.val_loader:
+        exp = trainer.generate(batch, vk.n, trainer.sampling(validate=True), seed)
+        rewards = trainer.reward(batch, exp, vk.n)
+        infos.append((len(rewards.scores), {"reward": rewards.scores.tolist(), **rewards.info}))
+        sources += rep(batch.data_source)
+        uids += rep(batch.uid)
+        lengths.append(exp.response_mask.sum(-1))
+    loader = trainer.val_loader
+    loader.set_state({**loader.get_state(), "epoch": 0, "step": 0})
+    return {**validation_metrics(sources, uids, join_infos(infos)),
+            **response_length_metrics(sources, np.concatenate(lengths),
+                                      trainer.cfg.data.max_response_length)}

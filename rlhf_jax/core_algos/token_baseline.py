@@ -62,6 +62,17 @@ def _baseline(returns, weights, mask, ids, members, lengths, epsilon, handle_zer
     return base
 
 
+def _inputs(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+            rollout_is_weights):
+    """`(mask, rewards to go, path weights)` of an OTB call's arguments."""
+    rewards = jnp.asarray(token_level_rewards)
+    m = _as_mask(response_mask, rewards)
+    weights = _path_weights(jnp.asarray(old_log_probs).astype(rewards.dtype),
+                            jnp.asarray(sum_pi_squared).astype(rewards.dtype),
+                            rollout_is_weights, m)
+    return m, _reward_to_go(rewards, m), weights
+
+
 def compute_optimal_token_baseline_advantage(token_level_rewards, response_mask, index,
                                              old_log_probs, sum_pi_squared,
                                              rollout_is_weights=None, handle_zero_tail=True,
@@ -86,12 +97,8 @@ def compute_optimal_token_baseline_advantage(token_level_rewards, response_mask,
 
     verl: `core_algos.compute_optimal_token_baseline_advantage`.
     """
-    rewards = jnp.asarray(token_level_rewards)
-    m = _as_mask(response_mask, rewards)
-    returns = _reward_to_go(rewards, m)
-    weights = _path_weights(jnp.asarray(old_log_probs).astype(rewards.dtype),
-                            jnp.asarray(sum_pi_squared).astype(rewards.dtype),
-                            rollout_is_weights, m)
+    m, returns, weights = _inputs(token_level_rewards, response_mask, old_log_probs,
+                                  sum_pi_squared, rollout_is_weights)
     ids = dense_group_ids(index)
     lengths = _replicated(jnp.sum(m, axis=-1).astype(jnp.int32))
     members = jnp.ones(ids.shape, bool)
@@ -125,20 +132,16 @@ def compute_multi_turn_optimal_token_baseline_advantage(token_level_rewards, res
 
     verl: `core_algos.compute_multi_turn_optimal_token_baseline_advantage`.
     """
-    rewards = jnp.asarray(token_level_rewards)
-    m = _as_mask(response_mask, rewards)
-    returns = _reward_to_go(rewards, m)
-    weights = _path_weights(jnp.asarray(old_log_probs).astype(rewards.dtype),
-                            jnp.asarray(sum_pi_squared).astype(rewards.dtype),
-                            rollout_is_weights, m)
+    m, returns, weights = _inputs(token_level_rewards, response_mask, old_log_probs,
+                                  sum_pi_squared, rollout_is_weights)
     keep = m != 0
     pos = jnp.cumsum(keep, axis=-1) - 1
     lengths = _replicated(jnp.sum(keep, axis=-1).astype(jnp.int32))
-    t = jnp.arange(rewards.shape[-1])
-    compact_mask = (t[None, :] < lengths[:, None]).astype(rewards.dtype)
+    t = jnp.arange(returns.shape[-1])
+    compact_mask = (t[None, :] < lengths[:, None]).astype(returns.dtype)
     ids = dense_group_ids(index)
     base = _baseline(_compact(returns, keep), _compact(weights, keep), compact_mask,
                      ids, lengths > 0, lengths, epsilon, handle_zero_tail)
-    base_at = jnp.take_along_axis(base, jnp.clip(pos, 0, rewards.shape[-1] - 1), axis=-1)
+    base_at = jnp.take_along_axis(base, jnp.clip(pos, 0, returns.shape[-1] - 1), axis=-1)
     return (returns - base_at) * m, returns
 

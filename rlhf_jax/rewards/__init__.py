@@ -208,3 +208,22 @@ def with_overlong_penalty(rewards: Rewards, lengths: np.ndarray, *, max_response
         info = {**info, "overlong_reward": [float(p) for p in penalty],
                 "overlong": [bool(p < 0) for p in penalty]}
     return Rewards((rewards.scores + penalty).astype(np.float32), rewards.raw, info)
+
+
+def score_responses(tokenizer, batch, responses: np.ndarray, response_mask: np.ndarray, n: int,
+                    cfg, custom_fn=None) -> Rewards:
+    """The rewards of `n` responses per prompt of `batch` (prompt-major): each decoded up to
+    its length and scored by its row's data source (`score_batch_info`), with DAPO's overlong
+    penalty when `cfg.reward_model.overlong_buffer` is on."""
+    lengths = response_mask.sum(-1)
+    texts = [tokenizer.decode(r[: int(k)].tolist())
+             for r, k in zip(responses, lengths, strict=True)]
+    rep = lambda xs: [x for x in xs for _ in range(n)]
+    rewards = score_batch_info(rep(batch.data_source), texts, rep(batch.ground_truth),
+                               rep(batch.extra_info), custom_fn=custom_fn)
+    buf = cfg.reward_model.overlong_buffer
+    if not buf.enable:
+        return rewards
+    return with_overlong_penalty(
+        rewards, lengths, max_response_length=cfg.data.max_response_length,
+        buffer_len=buf.len, penalty_factor=buf.penalty_factor, log=buf.log)
