@@ -198,7 +198,7 @@ def _update(mesh_name, chunk, tie=True, entropy_coeff=0.01, micro=4):
     return jax.device_get(state.params), jax.device_get(metrics)
 
 
-@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("tie", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_sharded_chunked_update_equals_single_device_full_logits(tie):
     """The actor update with the chunked head on (2,2,2) (4 tokens a device per chunk:
     1 row x 4 positions of 11) gives the parameters and metrics of the full-logits update on

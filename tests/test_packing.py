@@ -169,7 +169,13 @@ def _assert_same_metrics(a, b):
         np.testing.assert_allclose(a[1][k], b[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-@pytest.mark.parametrize("mode", core_algos.LOSS_AGG_MODES)
+# token-sum and seq-mean-token-sum (the plain sums of their -mean twins) run with -m slow.
+SLOW_MODES = ("token-sum", "seq-mean-token-sum")
+
+
+@pytest.mark.parametrize("mode", [
+    pytest.param(m, marks=pytest.mark.slow) if m in SLOW_MODES else m
+    for m in core_algos.LOSS_AGG_MODES])
 def test_packed_actor_update_equals_padded(mode):
     """Packed on (2,2,2), with a token budget that makes several micro-batches (some of them
     empty on a rank), against padded on (2,2,2): parameters after 4 AdamW steps and metrics
@@ -236,7 +242,8 @@ DYNAMIC = {  # the tiny task's sequences are at most 7 + 4 tokens
 
 @pytest.mark.parametrize("extra", [
     {**PACKED, **DYNAMIC},  # the fused critic (values in its update)
-    {**PACKED, "critic.values_in_update": False, "actor_rollout_ref.rollout.n": 2},
+    pytest.param({**PACKED, "critic.values_in_update": False, "actor_rollout_ref.rollout.n": 2},
+                 marks=pytest.mark.slow),
 ], ids=["dynamic_fused_critic", "fixed_values_pass"])
 def test_packed_run_logs_the_padded_runs_metrics(tmp_path, extra):
     """Two PPO steps (critic, KL in the reward and the KL loss) on (2,2,2): packed rows with

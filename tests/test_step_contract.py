@@ -165,9 +165,15 @@ def test_make_experience_reads_the_state_and_changes_nothing(tmp_path):
     assert "critic/values/mean" in metrics  # the critic's update filled the values
 
 
-# Those that need sum_pi_squared are refused by the config (tests/test_config.py).
-@pytest.mark.parametrize("estimator", [n for n in adv_estimator_names()
-                                       if "sum_pi_squared" not in get_adv_estimator(n).needs])
+# Those that need sum_pi_squared are refused by the config (tests/test_config.py); the
+# estimators beyond the first six (the trainer's paths they take are the same) run with -m slow.
+_FIRST_SIX = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+              "remax")
+
+
+@pytest.mark.parametrize("estimator", [
+    n if n in _FIRST_SIX else pytest.param(n, marks=pytest.mark.slow)
+    for n in adv_estimator_names() if "sum_pi_squared" not in get_adv_estimator(n).needs])
 def test_every_registered_estimator_trains_two_steps(tmp_path, estimator):
     needs_critic = estimator == "gae"
     profile = estimator == "grpo"  # one of them also traces step 2 (trainer.profile_steps)
