@@ -24,11 +24,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grain
-import jinja2
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf_jax import prompts as prompts_lib
 from rlhf_jax.errors import ConfigError, DataError, ModelError
 from rlhf_jax.tokenizer import Tokenizer
 
@@ -94,24 +94,6 @@ def _as_dict(value: Any, where: str, column: str) -> dict:
         raise DataError(f"{where}: column {column!r} must be a struct, got {value!r:.80}") from None
 
 
-def _check_messages(messages: Any, where: str, prompt_key: str) -> list[dict]:
-    ok = isinstance(messages, list) and messages and all(
-        isinstance(m, Mapping) and "role" in m and "content" in m for m in messages)
-    if not ok:
-        raise DataError(f"{where}: column {prompt_key!r} must be a non-empty list of "
-                        f"{{role, content}} messages, got {str(messages)[:80]!r}")
-    return messages
-
-
-def _truncate(ids: list[int], limit: int, mode: str) -> list[int]:
-    if mode == "left":
-        return ids[-limit:]
-    if mode == "right":
-        return ids[:limit]
-    head = limit // 2  # middle: keep both ends
-    return ids[:head] + ids[len(ids) - (limit - head):]
-
-
 class PromptDataset:
     """All prompt rows of `files`, chat-templated and tokenized (random access by position).
 
@@ -161,16 +143,14 @@ class PromptDataset:
                   filter_overlong: bool) -> None:
         limit = self.max_prompt_length
         prompts = table.column(self.prompt_key).to_pylist()
-        texts = []
-        for row, messages in enumerate(prompts):
-            where = f"{path} row {row}"
-            messages = _check_messages(messages, where, self.prompt_key)
-            try:
-                texts.append(self.tokenizer.apply_chat_template(messages,
-                                                                add_generation_prompt=True))
-            except jinja2.TemplateError as e:
-                raise DataError(f"{where}: chat template failed: {e}") from None
-        token_ids = self.tokenizer.encode_batch(texts)
+        for row, messages in enumerate(prompts):  # verl's schema: messages, never a text
+            problem = prompts_lib.check_messages(messages)
+            if problem is not None:
+                raise DataError(f"{path} row {row}: column {self.prompt_key!r} {problem}")
+        try:  # the server formats its prompts with this same function
+            texts, token_ids = prompts_lib.encode_prompts(self.tokenizer, prompts)
+        except prompts_lib.PromptError as e:
+            raise DataError(f"{path} row {e.index}: {e}") from None
         sources = _column(table, "data_source", "")
         rewards = _column(table, "reward_model", None)
         extras = _column(table, "extra_info", None)
@@ -183,7 +163,7 @@ class PromptDataset:
                     raise DataError(f"{path} row {row}: prompt has {len(ids)} tokens, more than "
                                     f"max_prompt_length {limit} (set data.truncation or "
                                     "data.filter_overlong_prompts)")
-                ids = _truncate(ids, limit, truncation)
+                ids = prompts_lib.truncate(ids, limit, truncation)
             where = f"{path} row {row}"
             reward = _as_dict(rewards[row], where, "reward_model")
             self._rows.append({

@@ -1,24 +1,30 @@
 """A trainer checkpoint -> an HF model directory: `scripts/export_hf.py CHECKPOINT OUT_DIR`.
 
-CHECKPOINT is a step folder of a run, `<trainer.default_local_dir>/checkpoints/<step>`. The
-resolved config saved in it says which model the actor is; its parameters are restored onto
-one device and written with `save_hf` (config.json, safetensors), next to the tokenizer files
-of the run's tokenizer, so that `transformers` loads the directory as it is.
+CHECKPOINT is a step folder of a run, `<trainer.default_local_dir>/checkpoints/<step>`, or a
+run directory (or its `checkpoints/` folder), which means its newest good, intact step, the
+one `trainer.resume_mode=auto` would resume from (`Checkpointer.restore_latest_good`: damaged
+newer steps are skipped with a warning). The resolved config saved in it says which model the
+actor is; its parameters are restored onto one device and written with `save_hf`
+(config.json, safetensors), next to the tokenizer files of the run's tokenizer, so that
+`transformers` loads the directory as it is. `generation_config.json` holds the run's ids and
+sampling (`generation_config`), replacing any the tokenizer directory had.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlhf_jax import roles
+from rlhf_jax import paths, roles
 from rlhf_jax import train_steps as ts
-from rlhf_jax.checkpoint import Checkpointer, CheckpointError
+from rlhf_jax.checkpoint import Checkpointer, CheckpointError, DamagedCheckpoint
 from rlhf_jax.config import config_from_dict
 from rlhf_jax.models.hf_io import save_hf
+from rlhf_jax.tokenizer import load_tokenizer
 
 
 def _abstract_train_state(model, optim_cfg) -> ts.TrainState:
@@ -44,19 +50,80 @@ def checkpoint_template(cfg) -> dict:
     return out
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Writes the actor of `checkpoint` (a `checkpoints/<step>` folder) as an HF directory."""
-    path = Path(checkpoint)
-    if not path.name.isdigit() or not path.is_dir():
-        raise CheckpointError(f"{path} is not a checkpoint step folder "
-                              "(<run>/checkpoints/<step>)")
-    with Checkpointer(path.parent, async_save=False) as ckpt:
-        meta = ckpt._read_meta(int(path.name))
-        cfg = config_from_dict(meta["config"])
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        got = ckpt.restore(int(path.name), target_state=checkpoint_template(cfg),
-                           shardings=device)
+def generation_config(cfg, tokenizer) -> dict:
+    """The `generation_config.json` of a run: its tokenizer's bos / eos / pad ids, and the
+    rollout's sampling (`actor_rollout_ref.rollout.{do_sample, temperature, top_p, top_k}`)
+    with the response limit (`data.max_response_length`) as transformers names them.
+
+    Greedy rollouts (`do_sample: false` or temperature 0) write `do_sample: false` alone,
+    since transformers warns about sampling fields that greedy decoding ignores; top_k -1
+    (off) is transformers' 0.
+    """
+    ro = cfg.actor_rollout_ref.rollout
+    eos = list(tokenizer.eos_token_ids)
+    out = {"bos_token_id": tokenizer.bos_token_id,
+           "eos_token_id": eos[0] if len(eos) == 1 else eos,
+           "pad_token_id": tokenizer.pad_token_id,
+           "max_new_tokens": cfg.data.max_response_length}
+    if not ro.do_sample or ro.temperature == 0:
+        return {**out, "do_sample": False}
+    return {**out, "do_sample": True, "temperature": ro.temperature, "top_p": ro.top_p,
+            "top_k": ro.top_k if ro.top_k > 0 else 0}
+
+
+def _checkpoints_of(path: Path) -> tuple[Path, int | None]:
+    """(the run's checkpoints folder, the step) of a step folder; step None for a run
+    directory or its checkpoints folder."""
+    if path.is_dir() and path.name.isdigit():
+        return path.parent, int(path.name)
+    if (path / paths.CHECKPOINTS).is_dir():
+        return path / paths.CHECKPOINTS, None
+    if path.is_dir() and path.name == paths.CHECKPOINTS:
+        return path, None
+    raise CheckpointError(f"{path} is neither a checkpoint step folder "
+                          "(<run>/checkpoints/<step>) nor a run directory with checkpoints/")
+
+
+def _run_config(ckpt: Checkpointer):
+    """The resolved config of the newest step whose metadata reads."""
+    for step in reversed(ckpt.all_steps()):
+        try:
+            return config_from_dict(ckpt._read_meta(step)["config"])
+        except Exception:  # damaged: restore_latest_good says so, with the step it takes
+            continue
+    raise CheckpointError(f"no checkpoint in {ckpt.directory}")
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path) -> tuple[Path, int]:
+    """Writes the actor of `checkpoint` (a `checkpoints/<step>` folder, or a run directory:
+    its newest good, intact step) as an HF directory.
+
+    Returns:
+      (the directory written, the step exported).
+    """
+    folder, step = _checkpoints_of(Path(checkpoint))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with Checkpointer(folder, async_save=False) as ckpt:
+        if step is not None:
+            try:
+                cfg = config_from_dict(ckpt._read_meta(step)["config"])
+            except CheckpointError:
+                raise
+            except Exception as e:  # orbax raises many types for a damaged file
+                raise DamagedCheckpoint(step, Path(checkpoint), f"meta unreadable: {e}"
+                                        .splitlines()[0]) from None
+            got = ckpt.restore(step, target_state=checkpoint_template(cfg), shardings=device)
+        else:
+            cfg = _run_config(ckpt)
+            got = ckpt.restore_latest_good(target_state=checkpoint_template(cfg),
+                                           shardings=device)
+            if got is None:
+                raise CheckpointError(f"no checkpoint in {folder}")
+            cfg = config_from_dict(got.meta["config"])
     model_cfg = cfg.actor_rollout_ref.model
+    tokenizer_dir = model_cfg.tokenizer_path or model_cfg.path
     params = jax.tree.map(np.asarray, got.state["actor"].params)
-    return save_hf(roles.actor_model(cfg), params, out_dir,
-                   tokenizer_dir=model_cfg.tokenizer_path or model_cfg.path)
+    out = save_hf(roles.actor_model(cfg), params, out_dir, tokenizer_dir=tokenizer_dir)
+    gen = generation_config(cfg, load_tokenizer(tokenizer_dir))
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return out, got.step

@@ -1,31 +1,43 @@
 """Export a trained actor as an HF model: `python scripts/export_hf.py CHECKPOINT OUT_DIR`.
 
-CHECKPOINT is `<trainer.default_local_dir>/checkpoints/<step>`; OUT_DIR gets config.json,
-safetensors and the tokenizer files, loadable with `transformers`' `from_pretrained`.
-Errors print one line (`error: ...`) and exit with status 2.
+CHECKPOINT is `<trainer.default_local_dir>/checkpoints/<step>`, or a run directory (its
+newest good, intact step); OUT_DIR gets config.json, safetensors, the tokenizer files and a
+generation_config.json (the run's eos / pad / bos ids and rollout sampling), loadable with
+`transformers`' `from_pretrained`. A damaged newer step that is skipped is one `warning:`
+line. Errors print one line (`error: ...`) and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from rlhf_jax.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a checkpoint step folder: <run>/checkpoints/<step>")
+    parser.add_argument("checkpoint", help="a checkpoint step folder (<run>/checkpoints/<step>) "
+                        "or a run directory (its newest good, intact step)")
     parser.add_argument("out_dir", help="the HF directory to write")
     args = parser.parse_args(argv)
     try:
+        from rlhf_jax.checkpoint import CheckpointWarning
         from rlhf_jax.export import export_hf
 
-        out = export_hf(args.checkpoint, args.out_dir)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointWarning)
+            out, step = export_hf(args.checkpoint, args.out_dir)
+        for w in caught:
+            if issubclass(w.category, CheckpointWarning):
+                print(f"warning: {w.message}", file=sys.stderr)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {out}")
+    print(f"wrote {out} (step {step})")
     return 0
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from rlhf_jax.errors import ConfigError, UserError
+from rlhf_jax.prompts import encode_prompts
 from rlhf_jax.rollout.engine import Engine
 from rlhf_jax.rollout.sampling import SamplingParams
 from rlhf_jax.rollout.state import DecodeState, Prefix
@@ -55,16 +56,26 @@ def patch_orchestrator() -> None:
 
 
 class _Tokenizer(tokenizer_api.Tokenizer):
-    """JetStream's tokenizer interface over `rlhf_jax.tokenizer.Tokenizer` (or ids only)."""
+    """JetStream's tokenizer interface over `rlhf_jax.tokenizer.Tokenizer` (or ids only).
 
-    def __init__(self, tokenizer, *, bos_id: int, pad_id: int, eos_ids: tuple[int, ...]):
+    Text is formatted as the trainer formatted its prompts (`rlhf_jax.prompts`: the chat
+    template, with its BOS), unless `encode` says otherwise.
+    """
+
+    def __init__(self, tokenizer, *, bos_id: int, pad_id: int, eos_ids: tuple[int, ...],
+                 encode=None):
         self._tok, self._bos, self._pad, self._eos = tokenizer, bos_id, pad_id, eos_ids
+        self._encode = encode
 
     def encode(self, s: str, **kwargs):
-        if self._tok is None:
+        if self._encode is not None:
+            ids = self._encode(s)
+        elif self._tok is None:
             raise UserError("this server has no tokenizer: send token_content, not text")
+        else:
+            ids = encode_prompts(self._tok, [s])[1][0]
         return token_utils.pad_tokens(
-            np.asarray(self._tok.encode(s), np.int32), self._bos, self._pad,
+            np.asarray(ids, np.int32), self._bos, self._pad,
             is_bos=kwargs.get("is_bos", True), prefill_lengths=kwargs.get("prefill_lengths"),
             max_prefill_length=kwargs.get("max_prefill_length"),
             jax_padding=kwargs.get("jax_padding", True),
@@ -99,14 +110,18 @@ class JetStreamEngine(engine_api.Engine):
         padding knows no other lengths).
       params: parameters on the engine's generate layout (`load_params()` returns them).
       sampling: how every request samples (default: the engine's); `eos_ids` stop a request.
-      tokenizer: an `rlhf_jax.tokenizer.Tokenizer` for text requests (None: token ids only).
-      bos_id: the id JetStream's orchestrator prepends to every prompt; None when the model
-        has no BOS token, in which case the adapter drops that first token again.
+      tokenizer: an `rlhf_jax.tokenizer.Tokenizer` for text requests (None: token ids only);
+        text is formatted as in training (`rlhf_jax.prompts.encode_prompts`: the chat
+        template writes the BOS where the model has one).
+      bos_id: the id JetStream's orchestrator prepends to every prompt; None (what
+        `scripts/serve.py` passes) drops that first token again, so token-id requests are
+        taken as they are and text requests get the template's BOS only.
+      encode: text -> token ids instead of the chat template (`serve.py --raw-prompts`).
       rng: the key all requests' sampling derives from (request ids count up from 0).
     """
 
     def __init__(self, engine: Engine, params=None, *, sampling: SamplingParams | None = None,
-                 tokenizer=None, bos_id: int | None = None, rng=None):
+                 tokenizer=None, bos_id: int | None = None, rng=None, encode=None):
         if engine.max_prefill_length not in _JETSTREAM_BUCKETS:
             raise ConfigError(
                 f"JetStream pads prompts to 16 * 2^k tokens; max_prefill_length "
@@ -118,6 +133,7 @@ class JetStreamEngine(engine_api.Engine):
         self.rng = jax.random.key(0) if rng is None else rng
         self._strip_bos = bos_id is None
         self._tokenizer = tokenizer
+        self._encode_text = encode
         self._bos = self.sampling.pad_id if bos_id is None else bos_id
         self._ids = itertools.count()
         patch_orchestrator()
@@ -178,7 +194,7 @@ class JetStreamEngine(engine_api.Engine):
     def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters):
         del metadata
         return _Tokenizer(self._tokenizer, bos_id=self._bos, pad_id=self.sampling.pad_id,
-                          eos_ids=self.sampling.eos_ids)
+                          eos_ids=self.sampling.eos_ids, encode=self._encode_text)
 
     @property
     def max_concurrent_decodes(self) -> int:
