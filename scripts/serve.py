@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from rlhf_jax.rollout.jetstream_adapter import serve
         except ModuleNotFoundError as exc:
-            print(f"error: {exc.name} is missing; install the extra: "
+            missing = (exc.name or "jetstream").split(".")[0]
+            print(f"error: {missing} is missing; install the extra: "
                   f"pip install google-jetstream==0.2.2 (or serve with --api openai)",
                   file=sys.stderr)
             return 2

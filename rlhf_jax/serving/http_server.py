@@ -18,7 +18,6 @@ import json
 import logging
 import queue
 import threading
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from rlhf_jax.serving import openai_api as api

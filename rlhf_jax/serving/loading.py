@@ -144,7 +144,8 @@ class ServedModel:
 def load_served_model(model_dir: str | Path, *, mesh: str = "single", name: str | None = None,
                       max_concurrent_decodes: int = 8, max_prefill_length: int = 256,
                       max_decode_length: int = 256, raw_prompts: bool = False,
-                      sampling_overrides: Mapping[str, Any] | None = None) -> ServedModel:
+                      sampling_overrides: Mapping[str, Any] | None = None,
+                      compiler_options: Mapping[str, Any] | None = None) -> ServedModel:
     """Loads `model_dir` (config.json, safetensors, tokenizer files) onto the generate
     layout of the mesh preset `mesh` and builds its engine.
 
@@ -156,6 +157,7 @@ def load_served_model(model_dir: str | Path, *, mesh: str = "single", name: str 
         its longest prompt and response.
       raw_prompts: tokenize text prompts as they are (no chat template).
       sampling_overrides: fields of `GenerationDefaults` that replace the file's.
+      compiler_options: XLA options of the engine's programs (`Engine`).
     """
     from rlhf_jax.mesh import load_mesh_spec, make_mesh
     from rlhf_jax.models.hf_io import load_hf_model
@@ -183,7 +185,8 @@ def load_served_model(model_dir: str | Path, *, mesh: str = "single", name: str 
     served.engine = Engine(model, jax_mesh, spec.generate_rules,
                            max_concurrent_decodes=max_concurrent_decodes,
                            max_prefill_length=max_prefill_length,
-                           max_decode_length=max_decode_length)
+                           max_decode_length=max_decode_length,
+                           compiler_options=compiler_options)
     served.engine.default_sampling = served.engine.resolve_sampling(served.sampling())
     served.params = params
     return served
