@@ -121,3 +121,21 @@ def test_serve_script_reports_a_bad_model_dir_in_one_line(tmp_path, capsys):
     assert serve_script.main(["--model", str(tmp_path), "--port", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: model path") and "config.json" in err and "\n" not in err
+
+
+def test_text_requests_are_formatted_as_in_training(adapter, tmp_path):
+    """A text request gets the trainer's chat template (and its BOS) after the placeholder
+    that the orchestrator prepends and prefill drops again (bos_id None)."""
+    from rlhf_jax.prompts import encode_prompts
+    from rlhf_jax.tasks import addition
+    from rlhf_jax.tokenizer import load_tokenizer
+
+    addition.make_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    js = JetStreamEngine(adapter.engine, adapter.params, tokenizer=tok, bos_id=None)
+    padded, true_length = js.build_tokenizer(None).encode("1 2 + 3 4 =", is_bos=True,
+                                                          max_prefill_length=16)
+    want = encode_prompts(tok, ["1 2 + 3 4 ="])[1][0]
+    assert want == [1, 4, 5, 13, 6, 7, 14]  # <bos> 1 2 + 3 4 =: what the data loader makes
+    assert true_length == len(want) + 1
+    assert [int(t) for t in padded[1:true_length]] == want

@@ -1,6 +1,7 @@
 """Checkpoints in the trainer: a run killed with SIGKILL and resumed equals one never killed,
 also when it resumes at an epoch boundary; damaged newest checkpoints fall back."""
 
+import json
 import os
 import signal
 import subprocess
@@ -79,6 +80,11 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path):
     _check_export(trained, newest, tmp_path / "hf")
     biggest = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    # A run directory exports its newest intact step, as the resume below restores it.
+    from rlhf_jax.export import export_hf
+
+    with pytest.warns(UserWarning, match=r"checkpoint step 4 .* is damaged .*restored step 2"):
+        assert export_hf(tmp_path / "run", tmp_path / "hf2")[1] == 2
     trainer = Trainer(tiny(tmp_path, **{**RUN, "trainer.total_training_steps": 5}))
     with pytest.warns(UserWarning, match=r"checkpoint step 4 .* is damaged .*restored step 2"):
         history = trainer.run()
@@ -92,10 +98,13 @@ def _check_export(trainer, checkpoint: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     script = [sys.executable, str(ROOT / "scripts/export_hf.py")]
-    bad = subprocess.run([*script, str(checkpoint.parent), str(out)], capture_output=True,
-                         text=True, timeout=300)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: ") \
-        and "is not a checkpoint step folder" in bad.stderr, bad.stderr
+    # The run directory: its newest good, intact step (4, the one given below).
+    done = subprocess.run([*script, str(checkpoint.parents[1]), str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("(step 4)"), done.stderr[-2000:]
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_new_tokens": 4,
+        "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
     done = subprocess.run([*script, str(checkpoint), str(out)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -15,8 +15,10 @@ from tiny_run import ROOT, tiny
 
 openai = pytest.importorskip("openai")
 
+# Enough warm-start steps that the greedy answers differ from prompt to prompt.
 TRAIN = {"mesh": "single", "trainer.total_training_steps": 2, "trainer.save_freq": 2,
-         "trainer.test_freq": -1, "trainer.sft_warmup.max_steps": 8}
+         "trainer.test_freq": -1, "trainer.sft_warmup.max_steps": 150,
+         "trainer.sft_warmup.eval_every": 150}
 
 
 def _serve(served):
@@ -57,7 +59,7 @@ def random_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """(trainer, served model, base url): 8 warm-start and 2 PPO steps of the tiny task, the
+    """(trainer, served model, base url): 150 warm-start and 2 PPO steps of the tiny task, the
     run directory exported and served on a free loopback port."""
     from rlhf_jax.export import export_hf
     from rlhf_jax.serving import load_served_model
@@ -113,6 +115,7 @@ def test_server_answers_as_the_trainers_validation(run):
     assert result["prompts"] == len(trainer.val_loader.dataset) == 16
     assert result["identical_prompt_ids"] == result["identical_answers"] == 16, result
     assert result["server_correct"] == result["trainer_correct"]
+    assert len({tuple(r["response_ids"]) for r in rows}) > 4  # not one answer for all
 
 
 def _engine_greedy(served, prompts, max_tokens):
@@ -149,7 +152,7 @@ def _check_openai_client(served, url):
     prompts = [served.encode(t) for t in texts]
     want = _engine_greedy(served, prompts, 4)
     want_text = [served.tokenizer.decode(w) for w in want]
-    assert len(set(map(tuple, want))) > 1
+    assert len(set(map(tuple, want))) > 1  # the prompts get different answers
     extra = {"return_token_ids": True}
 
     got = client.completions.create(model="hf", prompt=texts, temperature=0, max_tokens=4,
