@@ -197,6 +197,21 @@ def _check_openai_client(served, url):
             for _ in range(2))
     assert a == b
 
+    # Greedy and sampled requests at once: the slots serve one sampler at a time, and each
+    # request still gets its own answer.
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(i):
+        temperature = 1.0 if i % 2 else 0
+        r = client.completions.create(model="hf", prompt=texts[i % 3], temperature=temperature,
+                                      seed=7, max_tokens=4, extra_body=extra)
+        return r.choices[0].token_ids
+
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(ask, range(6)))
+    assert [got[i] for i in (0, 2, 4)] == [want[0], want[2], want[1]]
+    assert got[3] == a  # texts[0], seed 7, sampled
+
 
 def _raw(url, method, path, body=None):
     host, port = url.split("//")[1].split("/")[0].split(":")
@@ -218,7 +233,8 @@ def test_bad_requests_get_openai_errors(random_model):
         ({**ok, "temperature": 3}, 400, "'temperature' must lie in [0, 2]"),
         ({**ok, "temperature": "hot"}, 400, "'temperature' must be a number"),
         ({**ok, "stop": ["\n"]}, 400, "stop sequences are not implemented"),
-        ({**ok, "logprobs": 2}, 400, "log-probabilities"),
+        ({**ok, "logprobs": 0}, 400, "log-probabilities"),
+        ({**ok, "echo": True}, 400, "echo is not implemented"),
         ({**ok, "frobnicate": 1}, 400, "Unrecognized request argument supplied: frobnicate"),
         ({**ok, "prompt": "1 2 + 3 4 = ?"}, 400, "cannot tokenize"),
         ({**ok, "prompt": [99]}, 400, "outside the vocabulary"),

@@ -98,6 +98,17 @@ def _typed(body: Mapping, key: str, types, what: str, default=None):
     return value
 
 
+def _is_off(value: Any, offs: tuple) -> bool:
+    """`value` is one of `offs`; a bool only equals a bool (`logprobs: 0` is not `false`)."""
+    for off in offs:
+        if isinstance(value, bool) or isinstance(off, bool) or value is None or off is None:
+            if value is off:
+                return True
+        elif value == off:
+            return True
+    return False
+
+
 def _message_text(content: Any, i: int) -> str:
     """A message's content: a string, or OpenAI's list of text parts."""
     if isinstance(content, str):
@@ -152,7 +163,7 @@ def parse(kind: str, body: Any, served) -> Job:
     if unknown:
         raise _bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
     for key, (off, alt, hint) in _OFF.items():
-        if key in FIELDS[kind] and body.get(key, off) not in (off, alt):
+        if key in FIELDS[kind] and not _is_off(body.get(key), (None, off, alt)):
             raise _bad(f"'{key}': {hint}", key)
     model = body.get("model")
     if not isinstance(model, str):
