@@ -10,10 +10,9 @@ import subprocess
 import sys
 
 import numpy as np
+import openai  # the test extra
 import pytest
 from tiny_run import ROOT, tiny
-
-openai = pytest.importorskip("openai")
 
 # Enough warm-start steps that the greedy answers differ from prompt to prompt.
 TRAIN = {"mesh": "single", "trainer.total_training_steps": 2, "trainer.save_freq": 2,
