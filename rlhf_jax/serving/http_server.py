@@ -97,10 +97,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
     def _error(self, err: api.ApiError) -> None:
+        if err.status in (411, 413):  # the body was not read: the connection cannot go on
+            self.close_connection = True
         self._send_json(err.status, err.body())
 
     def _read_body(self):
