@@ -95,7 +95,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / paths.CHECKPOINTS,
                                          max_to_keep=t.max_ckpt_to_keep)
         self.recovery = Recovery(cfg, self.checkpointer)
-        self.watch = RollbackWatch(t.rollback.max_kl, t.rollback.value_loss_spike)
+        self.watch = RollbackWatch.from_config(t.rollback)
         self.state = self.state._replace(watch=self.watch.state(),
                                          loader=self.train_loader.get_state())
         self.stages = experience_stages(self)

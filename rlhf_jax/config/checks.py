@@ -60,10 +60,13 @@ _RULES = (
         "reward_model.micro_batch_size_per_device", "algorithm.kl_ctrl.horizon",
         "trainer.total_epochs", "trainer.total_training_steps", "trainer.max_ckpt_to_keep",
         "trainer.sft_warmup.batch_size", "trainer.sft_warmup.eval_every",
+        "trainer.rollback.window",
         "synthetic.num_train", "synthetic.num_val",
     )],
     *[(p, _GE0) for p in (
         "trainer.critic_warmup", "trainer.rollback.max_rollbacks",
+        "trainer.rollback.warmup_steps", "trainer.rollback.value_loss_floor",
+        "trainer.rollback.value_loss_mads",
         "trainer.sft_warmup.max_steps", f"{_ARR}.actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef",
         f"{_ARR}.actor.lm_head_chunk_size", f"{_ARR}.ref.lm_head_chunk_size",
     )],
