@@ -30,6 +30,9 @@ from rlhf_jax.errors import UserError
 NON_FINITE_KEYS = ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "critic/vf_loss",
                    "critic/grad_norm")
 KL_KEYS = ("actor/reward_kl_penalty", "actor/kl_loss")
+# Measured on the step's rollout, i.e. of the policy the step started from: the previous
+# step's checkpoint holds that very policy, so a rollback goes one checkpoint further back.
+ENTERING_KEYS = ("actor/reward_kl_penalty",)
 MAD_TO_STD = 1.4826  # MAD x this = the standard deviation, for normal noise
 
 
@@ -77,13 +80,20 @@ class RollbackWatch:
             return None
         median = float(np.median(self.vf_window))
         mad = float(np.median(np.abs(np.asarray(self.vf_window) - median)))
-        bound = max(self.value_loss_spike * median, median + self.value_loss_mads * MAD_TO_STD * mad)
+        bound = max(self.value_loss_spike * median,
+                    median + self.value_loss_mads * MAD_TO_STD * mad)
         if vf > bound:
             return (f"critic/vf_loss {vf:.4g} > {bound:.4g} (floor {self.value_loss_floor:g}; "
                     f"{self.value_loss_spike:g} x median {median:.4g}; median + "
                     f"{self.value_loss_mads:g} x 1.4826 x MAD {mad:.4g}, last "
                     f"{len(self.vf_window)} good steps)")
         return None
+
+    def newest_restorable(self, step: int, metrics: Mapping[str, float]) -> int:
+        """The newest checkpoint step a rollback of `step` may restore: `step - 2` when the
+        cause is in the policy `step` started from (`ENTERING_KEYS`), else `step - 1`."""
+        entering = any(k in metrics and metrics[k] > self.max_kl for k in ENTERING_KEYS)
+        return max(step - 2 if entering else step - 1, 0)
 
     def observe(self, metrics: Mapping[str, float]) -> None:
         """Takes a good step's value loss into the window."""
