@@ -1,6 +1,7 @@
 """Automatic rollback: injected faults restore the last good checkpoint, lower the learning
 rates, log `training/rollbacks`, and the run finishes; too many rollbacks stop it."""
 
+import contextlib
 import math
 
 import jax
@@ -110,3 +111,51 @@ def test_one_odd_step_in_the_window_does_not_mask_the_next_spike():
         watch.observe({"critic/vf_loss": vf})
     assert watch.cause({"critic/vf_loss": 0.35}) is None  # noise: 1.75x the median
     assert watch.cause({"critic/vf_loss": 0.45}) is not None
+
+
+HEALTHY = {"mesh": "single", "trainer.total_training_steps": 8, "trainer.save_freq": 1,
+           "trainer.test_freq": -1}  # ppo_tiny_cpu's rollback keys, the defaults otherwise
+
+
+def _rollbacks(run_dir):
+    return [r for r in jsonl_rows(run_dir) if r.get("event") == "training/rollbacks"]
+
+
+@pytest.mark.slow
+def test_a_healthy_run_with_a_tiny_value_loss_never_rolls_back(tmp_path):
+    history = Trainer(tiny(tmp_path, **HEALTHY)).run()
+    assert len(history) == 8 and not _rollbacks(tmp_path / "run")
+    vf = [m["critic/vf_loss"] for m in history]
+    assert max(vf) < 0.1 and max(vf) > 1.5 * min(vf)  # tiny and noisy: no fault
+
+
+@pytest.mark.slow
+def test_a_learning_rate_blow_up_rolls_back_within_two_steps(tmp_path):
+    """The README's high-lr blow-up (actor lr far too high for 8 updates a step): step 2's
+    updates wreck the policy, whose KL to the reference step 3's rollout shows. The
+    rollback restores step 1 (step 2's checkpoint holds the wrecked policy)."""
+    cfg = tiny(tmp_path, **{**HEALTHY, "actor_rollout_ref.actor.optim.lr": 1e-1,
+                            "actor_rollout_ref.actor.ppo_epochs": 4,
+                            "trainer.rollback.max_rollbacks": 1})
+    trainer = Trainer(cfg)
+    with contextlib.suppress(RollbackLimit):
+        trainer.run()
+    first = _rollbacks(tmp_path / "run")[0]
+    assert first["failed_step"] <= 3 and first["restored_step"] == first["failed_step"] - 2
+    assert "actor/reward_kl_penalty" in first["cause"]
+
+
+@pytest.mark.slow
+def test_a_critic_blow_up_mid_run_rolls_back_within_two_steps(tmp_path):
+    """After 4 healthy steps the critic's learning rate jumps 1e4x: its value loss leaves the
+    window's median and MAD far behind, and the rollback fires at once."""
+    def jump(trainer, metrics):
+        trainer.critic = trainer.critic._replace(lr_scale=trainer.critic.lr_scale * 1e4)
+
+    trainer = Trainer(tiny(tmp_path, **{**HEALTHY, "trainer.total_training_steps": 6,
+                                        "trainer.rollback.max_rollbacks": 1}))
+    trainer.fault_hook = _faults({4: jump})
+    with contextlib.suppress(RollbackLimit):
+        trainer.run()
+    first = _rollbacks(tmp_path / "run")[0]
+    assert first["failed_step"] in (5, 6) and "critic/vf_loss" in first["cause"]
