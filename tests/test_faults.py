@@ -457,3 +457,84 @@ def test_sigterm_during_a_save_stops_with_one_line_and_resumes(base, tmp_path):
 
     compare(algorithmic([got[s] for s in sorted(want)]), algorithmic(list(want.values())),
             atol=1e-5)
+
+
+# 48 rows / 16 a batch: 3 steps an epoch; a checkpoint every step. max_kl 0.1: the seeded
+# run's KL in the reward passes it at step 6, which rolls back (to step 4) and halves the
+# learning rates; the run then ends at step 8.
+CHAOS = {"mesh": "single", "synthetic.num_train": 48, "trainer.total_training_steps": 8,
+         "trainer.save_freq": 1, "trainer.test_freq": 4, "trainer.rollback.max_kl": 0.1}
+
+
+def _logged_steps(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("training/global_step", 0)
+             for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return max(steps, default=0)
+
+
+@pytest.mark.slow  # seven training processes: ~5 minutes on 2 cores
+def test_chaos_five_sigkills_at_random_moments_change_no_metric(tmp_path):
+    """SIGKILL 5 times, each at a seeded random moment: once the run has logged a seeded
+    number of further steps, after a seeded fraction of a second (so a kill lands in a step,
+    a save or a restart alike). Started again each time with the same command, the run logs
+    the same metrics, step for step, as one never killed, across the epoch boundaries and
+    the rollback at step 6."""
+    import os
+    import random
+    import signal
+    import time
+
+    from tiny_run import algorithmic, compare, steps_logged
+    from tiny_run import train_script as popen
+
+    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
+    for d in (ref_dir, cut_dir):
+        d.mkdir()
+    ref = popen(tiny_overrides(ref_dir, **CHAOS), ref_dir)
+    assert ref.wait(timeout=900) == 0, (ref_dir / "stdout.txt").read_text()[-3000:]
+    rng, kills = random.Random(24), 0
+    while kills < 5:
+        proc = popen(tiny_overrides(cut_dir, **CHAOS), cut_dir)
+        target = min(_logged_steps(cut_dir / "run") + rng.randint(0, 2), 7)
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and _logged_steps(cut_dir / "run") < target:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 1.5))
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            assert proc.wait(timeout=60) == -signal.SIGKILL
+            kills += 1
+        else:
+            assert proc.returncode == 0
+            shutil.rmtree(cut_dir / "run")  # it ended before the kill: start over
+    last = popen(tiny_overrides(cut_dir, **CHAOS), cut_dir)
+    assert last.wait(timeout=900) == 0, (cut_dir / "stdout.txt").read_text()[-3000:]
+    want, got = steps_logged(ref_dir / "run"), steps_logged(cut_dir / "run")
+    assert sorted(want) == sorted(got) == list(range(1, 9))
+    compare(algorithmic([got[s] for s in range(1, 9)]), algorithmic([want[s] for s in
+                                                                        range(1, 9)]), atol=0)
+    assert [got[s]["training/epoch"] for s in (3, 4, 6, 7)] == [0.0, 1.0, 1.0, 2.0]
+    events = [r for r in (json.loads(line) for line in
+                          (ref_dir / "run/metrics.jsonl").read_text().splitlines())
+              if r.get("event") == "training/rollbacks"]
+    assert [e["failed_step"] for e in events] == [6]
+    stdout = (cut_dir / "stdout.txt").read_text()
+    assert "Traceback" not in stdout and stdout.count("resumed from") >= 3
+
+
+def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
+    """Killed in the middle of writing a metrics row: the resumed run cuts the torn line off
+    and every earlier row stays as it was."""
+    from rlhf_jax.trackers import JsonlTracker
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"training/global_step": 1, "a": 1}\n{"training/global_st')
+    tracker = JsonlTracker(tmp_path)
+    tracker.log_metrics({"a": 2.0}, 2)
+    tracker.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"training/global_step": 1, "a": 1}, {"training/global_step": 2, "a": 2.0}]
