@@ -131,7 +131,8 @@ CONFIG_CASES = {
     "return_raw_chat refused": (r"data\.return_raw_chat", {"data.return_raw_chat": "true"}),
     "calculate_log_probs refused": (r"calculate_log_probs",
                                     {"actor_rollout_ref.rollout.calculate_log_probs": "false"}),
-    "log_val_generations refused": (r"log_val_generations", {"trainer.log_val_generations": 3}),
+    "negative log_val_generations": (r"trainer\.log_val_generations: .*must be >= 0",
+                                     {"trainer.log_val_generations": -1}),
     "resume_path not a step": (r"resume_from_path", {"trainer.resume_mode": "resume_path",
                                                      "trainer.resume_from_path": "/tmp"}),
 }
@@ -268,8 +269,8 @@ def test_custom_reward_file_faults(base, tmp_path):
 
 
 @pytest.mark.parametrize("result, pattern", [
-    (RuntimeError("boom"), r"raised on data_source 'src/b', response 1 of the batch "
-                           r"\(extra_info.index 7\): RuntimeError: boom"),
+    (RuntimeError("boom"), r"raised on data_source 'src/b', response 1 of the batch, row "
+                           r"a\.parquet:5 \(extra_info.index 7\): RuntimeError: boom"),
     (float("nan"), r"returned nan on data_source 'src/b', response 1"),
     ("great", r"returned 'great' on data_source 'src/b', response 1 .*want a float"),
 ])
@@ -283,7 +284,7 @@ def test_reward_function_faults_name_the_row(result, pattern):
 
     with pytest.raises(RewardError, match=pattern):
         score_batch_info(["src/a", "src/b"], ["x", "y"], ["1", "2"], [None, {"index": 7}],
-                         custom_fn=fn)
+                         custom_fn=fn, rows=["a.parquet:0", "a.parquet:5"])
 
 
 # -------------------------------------------------------------- run directory, degenerate
@@ -459,11 +460,11 @@ def test_sigterm_during_a_save_stops_with_one_line_and_resumes(base, tmp_path):
             atol=1e-5)
 
 
-# 48 rows / 16 a batch: 3 steps an epoch; a checkpoint every step. max_kl 0.1: the seeded
-# run's KL in the reward passes it at step 6, which rolls back (to step 4) and halves the
-# learning rates; the run then ends at step 8.
+# 48 rows / 16 a batch: 3 steps an epoch; a checkpoint every step. max_kl 0.06: the seeded
+# run's KL in the reward passes it at step 7 (0.062), which rolls back (to step 5) and halves
+# the learning rates; the run then ends at step 8.
 CHAOS = {"mesh": "single", "synthetic.num_train": 48, "trainer.total_training_steps": 8,
-         "trainer.save_freq": 1, "trainer.test_freq": 4, "trainer.rollback.max_kl": 0.1}
+         "trainer.save_freq": 1, "trainer.test_freq": 4, "trainer.rollback.max_kl": 0.06}
 
 
 def _logged_steps(run: Path) -> int:
@@ -481,7 +482,7 @@ def test_chaos_five_sigkills_at_random_moments_change_no_metric(tmp_path):
     number of further steps, after a seeded fraction of a second (so a kill lands in a step,
     a save or a restart alike). Started again each time with the same command, the run logs
     the same metrics, step for step, as one never killed, across the epoch boundaries and
-    the rollback at step 6."""
+    the rollback at step 7."""
     import os
     import random
     import signal
@@ -521,7 +522,7 @@ def test_chaos_five_sigkills_at_random_moments_change_no_metric(tmp_path):
     events = [r for r in (json.loads(line) for line in
                           (ref_dir / "run/metrics.jsonl").read_text().splitlines())
               if r.get("event") == "training/rollbacks"]
-    assert [e["failed_step"] for e in events] == [6]
+    assert events and events[0]["failed_step"] == 7 and events[0]["restored_step"] == 5
     stdout = (cut_dir / "stdout.txt").read_text()
     assert "Traceback" not in stdout and stdout.count("resumed from") >= 3
 
@@ -538,3 +539,15 @@ def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
     tracker.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == [{"training/global_step": 1, "a": 1}, {"training/global_step": 2, "a": 2.0}]
+
+
+def test_log_val_generations_picks_as_verl_does():
+    """Sorted by input, shuffled by RandomState(42), the first n (verl's
+    `_maybe_log_val_generations`), whatever order the samples came in."""
+    from rlhf_jax.validation import pick_generations
+
+    samples = [(f"q{i}", f"a{i}", i / 10) for i in range(10)]
+    want = sorted(samples)
+    np.random.RandomState(42).shuffle(want)
+    got = pick_generations(samples[::-1], 3)
+    assert got == [{"input": i, "output": o, "score": s} for i, o, s in want[:3]]

@@ -123,10 +123,18 @@ def _rollbacks(run_dir):
 
 @pytest.mark.slow
 def test_a_healthy_run_with_a_tiny_value_loss_never_rolls_back(tmp_path):
-    history = Trainer(tiny(tmp_path, **HEALTHY)).run()
+    """Also logs 3 validation generations each validation (trainer.log_val_generations)."""
+    history = Trainer(tiny(tmp_path, **{**HEALTHY, "trainer.test_freq": 4,
+                                        "trainer.log_val_generations": 3})).run()
     assert len(history) == 8 and not _rollbacks(tmp_path / "run")
     vf = [m["critic/vf_loss"] for m in history]
     assert max(vf) < 0.1 and max(vf) > 1.5 * min(vf)  # tiny and noisy: no fault
+    gens = [r for r in jsonl_rows(tmp_path / "run") if r.get("event") == "val/generations"]
+    assert [g["training/global_step"] for g in gens] == [4, 8]
+    assert [len(g["samples"]) for g in gens] == [3, 3]
+    assert [s["input"] for s in gens[0]["samples"]] == [s["input"] for s in gens[1]["samples"]]
+    assert all(s["input"].endswith("=") and isinstance(s["score"], float)
+               for g in gens for s in g["samples"])
 
 
 @pytest.mark.slow

@@ -396,6 +396,7 @@ class TrainerConfig(Section):
     early_stop_score: float | None = None
     max_ckpt_to_keep: int | None = None  # null: keep all
     seed: int = 0
+    # Validation samples (input, output, score) logged as a `val/generations` event.
     log_val_generations: int = 0
     # Steps traced by jax.profiler into <default_local_dir>/profile (verl's key; null: none).
     profile_steps: tuple[int, ...] | None = None

@@ -156,10 +156,11 @@ class RewardError(UserError):
     """A reward function raised, or returned no finite score, on one row."""
 
 
-def _row(source: str, i: int, extra: Any) -> str:
+def _row(source: str, i: int, extra: Any, row: str | None) -> str:
     index = extra.get("index") if isinstance(extra, Mapping) else None
-    row = f"response {i} of the batch" + ("" if index is None else f" (extra_info.index {index})")
-    return f"data_source {source!r}, {row}"
+    where = f"response {i} of the batch" + ("" if row is None else f", row {row}")
+    where += "" if index is None else f" (extra_info.index {index})"
+    return f"data_source {source!r}, {where}"
 
 
 def _first_line(e: BaseException) -> str:
@@ -199,9 +200,11 @@ def score_batch(data_sources: Sequence[str], responses: Sequence[str],
 
 def score_batch_info(data_sources: Sequence[str], responses: Sequence[str],
                      ground_truths: Sequence[Any], extra_infos: Sequence[Any] | None = None,
-                     custom_fn: Callable[..., Any] | None = None) -> Rewards:
+                     custom_fn: Callable[..., Any] | None = None,
+                     rows: Sequence[str] | None = None) -> Rewards:
     """`score_batch` with the entries of dict results gathered per key, as verl's reward
-    managers do (a float result adds none). `scores` equals `raw` (no shaping yet)."""
+    managers do (a float result adds none). `scores` equals `raw` (no shaping yet).
+    `rows` name each response's data row ("file:row") in the error of a failing scorer."""
     n = len(responses)
     extra_infos = [None] * n if extra_infos is None else extra_infos
     if not len(data_sources) == len(ground_truths) == len(extra_infos) == n:
@@ -210,7 +213,7 @@ def score_batch_info(data_sources: Sequence[str], responses: Sequence[str],
     info: dict[str, list] = {}
     for i, (source, response, truth, extra) in enumerate(
             zip(data_sources, responses, ground_truths, extra_infos, strict=True)):
-        where = _row(source, i, extra)
+        where = _row(source, i, extra, None if rows is None else rows[i])
         try:
             if custom_fn is not None:
                 result = custom_fn(data_source=source, solution_str=response,
@@ -258,7 +261,7 @@ def score_responses(tokenizer, batch, responses: np.ndarray, response_mask: np.n
              for r, k in zip(responses, lengths, strict=True)]
     rep = lambda xs: [x for x in xs for _ in range(n)]
     rewards = score_batch_info(rep(batch.data_source), texts, rep(batch.ground_truth),
-                               rep(batch.extra_info), custom_fn=custom_fn)
+                               rep(batch.extra_info), custom_fn=custom_fn, rows=rep(batch.uid))
     buf = cfg.reward_model.overlong_buffer
     if not buf.enable:
         return rewards
