@@ -1,8 +1,8 @@
 """Checks and guards of a run before its first step: the run directory and its lock, the
 tokenizer against the model, and configs that train nothing (warned about once).
 
-    with RunLock(cfg.trainer.default_local_dir):    # a second run there refuses
-        for line in degenerate(cfg): print("warning: " + line, file=sys.stderr)
+    with RunLock(cfg):            # a second run on cfg.trainer.default_local_dir refuses
+        warn_degenerate(cfg)      # one `warning: ...` line on stderr per degenerate setting
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import sys
 from pathlib import Path
 
 from rlhf_jax.errors import ConfigError, ModelError
@@ -90,3 +91,9 @@ def degenerate(cfg) -> list[str]:
     if cfg.critic.enable and cfg.critic.optim.lr == 0:
         out.append("critic.optim.lr is 0: the critic does not learn")
     return out
+
+
+def warn_degenerate(cfg) -> None:
+    """`degenerate(cfg)` as `warning: ...` lines on stderr, once, before the run starts."""
+    for line in degenerate(cfg):
+        print(f"warning: {line}", file=sys.stderr, flush=True)

@@ -16,7 +16,6 @@ hooks (rollback, validation, trackers, early stop, checkpoint, profiler) after i
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from typing import Any
 
@@ -493,8 +492,7 @@ def train(cfg) -> list[dict]:
     """Runs `cfg` to `trainer.total_training_steps`; returns the metrics of every step."""
     start = time.perf_counter()
     with preflight.RunLock(cfg):  # a second run on this directory refuses
-        for line in preflight.degenerate(cfg):
-            print(f"warning: {line}", file=sys.stderr, flush=True)
+        preflight.warn_degenerate(cfg)
         trainer = Trainer(cfg)
         history = trainer.run()
     print(f"done: {trainer.global_step} steps in {time.perf_counter() - start:.1f}s, "
