@@ -35,6 +35,9 @@ def one_line(exc: BaseException) -> str:
     """
     if isinstance(exc, UserError):
         text = str(exc)
+    elif isinstance(exc, KeyboardInterrupt):
+        text = ("interrupted; the newest complete checkpoint is kept, and the same command "
+                "resumes from it")
     elif isinstance(exc, OSError) and exc.strerror:
         files = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
         text = f"{files}: {exc.strerror}" if files else exc.strerror

@@ -551,3 +551,19 @@ def test_log_val_generations_picks_as_verl_does():
     np.random.RandomState(42).shuffle(want)
     got = pick_generations(samples[::-1], 3)
     assert got == [{"input": i, "output": o, "score": s} for i, o, s in want[:3]]
+
+
+def test_an_unforeseen_error_is_one_line_naming_its_traceback_file(monkeypatch):
+    """A bug, not a bad input: still one line and exit 2, and the traceback kept in a file."""
+    def broken(*args):
+        raise KeyError("internal")
+
+    monkeypatch.setattr(train_script, "load_config", broken)
+    rc, _, err = main([])
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    found = re.search(r"^error: unexpected KeyError: 'internal' \(a bug; traceback in (\S+)\)$",
+                      err.strip())
+    assert found, err
+    text = Path(found[1]).read_text()
+    Path(found[1]).unlink()
+    assert text.startswith("Traceback") and "in broken" in text
