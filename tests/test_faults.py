@@ -239,7 +239,7 @@ def test_synthetic_task_writes_a_model_only_where_it_says(base, tmp_path):
     """A mistyped model path with the task on: a directory of other files is refused; a new
     one gets the task's model, and the run says so once."""
     other = _write(tmp_path / "mine" / "notes.txt", "my files").parent
-    fails(base, tmp_path, r"holds files but no config\.json.*mistyped",
+    fails(base, tmp_path, r"holds other files \(notes\.txt\) but no config\.json.*mistyped",
           **{"synthetic.task": "addition", "actor_rollout_ref.model.path": str(other)})
     cfg = tiny(tmp_path, **{"actor_rollout_ref.model.path": str(tmp_path / "new"),
                             "data.train_files": str(base / "data/train.parquet"),

@@ -9,6 +9,8 @@ from rlhf_jax.errors import ConfigError
 from rlhf_jax.tasks import addition, wordproblems
 
 TASKS = {"addition": addition, "wordproblems": wordproblems}
+# What a task writes into the model directory (a run stopped half-way leaves some of them).
+_OWN_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors")
 
 
 def prepare(cfg) -> list[str]:
@@ -24,10 +26,13 @@ def prepare(cfg) -> list[str]:
         raise ConfigError(f"synthetic.task: unknown task {synthetic.task!r} "
                           f"(known: {', '.join(sorted(TASKS))})")
     model = Path(cfg.actor_rollout_ref.model.path)
-    if model.is_dir() and not (model / "config.json").is_file() and any(model.iterdir()):
-        raise ConfigError(f"actor_rollout_ref.model.path: {model} holds files but no "
-                          "config.json; the synthetic task writes its model only into a new "
-                          "or empty directory (is the path mistyped?)")
+    others = [] if not model.is_dir() or (model / "config.json").is_file() else \
+        sorted(p.name for p in model.iterdir() if p.name not in _OWN_FILES)
+    if others:
+        raise ConfigError(f"actor_rollout_ref.model.path: {model} holds other files "
+                          f"({', '.join(others[:3])}) but no config.json; the synthetic task "
+                          "writes its model only into a new or empty directory (is the path "
+                          "mistyped?)")
     written = TASKS[synthetic.task].prepare(cfg)
     if written:
         print(f"synthetic.task {synthetic.task}: wrote {', '.join(map(str, written))}",
