@@ -17,10 +17,12 @@ checkpoints (truncated or missing files, unreadable metadata) with one warning l
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
+import signal
 import threading
 import warnings
 import zlib
@@ -131,12 +133,14 @@ class Checkpointer:
         self._check_space(step, state, meta)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(meta))
-        # force: the trainer decides when to save (also below the latest step after a rollback).
-        self._mgr.save(step, args=args, force=True)
-        self._good[step] = meta["good"]
-        self._writer = threading.Thread(target=self._finalize, args=(step,), daemon=True,
-                                        name=f"rlhf_jax-checkpoint-{step}")
-        self._writer.start()
+        with _signals_held():
+            # force: the trainer decides when to save (also below the latest step after a
+            # rollback).
+            self._mgr.save(step, args=args, force=True)
+            self._good[step] = meta["good"]
+            self._writer = threading.Thread(target=self._finalize, args=(step,), daemon=True,
+                                            name=f"rlhf_jax-checkpoint-{step}")
+            self._writer.start()
 
     def _check_space(self, step: int, state: Any, meta: dict) -> None:
         """Refuses a save the disk cannot hold (the checkpoints already there stay intact)."""
@@ -327,6 +331,25 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """A SIGTERM whose handler raises (scripts/train.py's) waits until orbax has started a
+    save: raised inside it, it would leave orbax's threads half-way; after it, `close()`
+    waits for the save to finish."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield
+        return
+    pending = []
+    signal.signal(signal.SIGTERM, lambda *sig: pending.append(sig))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        for sig in pending[:1]:
+            handler(*sig)
 
 
 def _abstract(target: Any, shardings: Any) -> Any:

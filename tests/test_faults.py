@@ -567,3 +567,23 @@ def test_an_unforeseen_error_is_one_line_naming_its_traceback_file(monkeypatch):
     text = Path(found[1]).read_text()
     Path(found[1]).unlink()
     assert text.startswith("Traceback") and "in broken" in text
+
+
+def test_sigterm_waits_until_orbax_has_started_a_save():
+    """Raised inside orbax's save, train.py's SIGTERM exception would leave its threads
+    half-way (and a traceback at exit): it is held until the save has started."""
+    import os
+    import signal
+
+    from rlhf_jax.errors import Interrupted
+
+    previous = signal.signal(signal.SIGTERM, train_script._interrupt)
+    inside = []
+    try:
+        with pytest.raises(Interrupted, match="stopped by SIGTERM"):
+            with checkpoint._signals_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                inside.append("still saving")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert inside == ["still saving"]
