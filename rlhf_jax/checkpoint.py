@@ -17,8 +17,12 @@ checkpoints (truncated or missing files, unreadable metadata) with one warning l
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
+import signal
 import threading
 import warnings
 import zlib
@@ -34,6 +38,7 @@ from rlhf_jax.errors import UserError
 MANIFEST = "rlhf_manifest.json"
 _CRC_MAX_BYTES = 1 << 20  # small files (metadata) also get a CRC32; big ones only a size
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's marker of a save that never finished
+_SAVE_OVERHEAD = 1 << 20  # orbax's metadata files, our manifest
 
 
 class CheckpointError(UserError):
@@ -46,6 +51,10 @@ class DamagedCheckpoint(CheckpointError):
     def __init__(self, step: int, path: Path, reason: str):
         super().__init__(f"checkpoint step {step} at {path} is damaged: {reason}")
         self.step, self.path, self.reason = step, path, reason
+
+
+class DiskFull(CheckpointError):
+    """The disk cannot hold the next checkpoint (says how much it needs)."""
 
 
 class CheckpointWarning(UserWarning):
@@ -96,6 +105,8 @@ class Checkpointer:
         self._good: dict[int, bool] = {}
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
+        self._need = 0  # bytes the save in flight needs
+        self._failed = False  # a save failed (and was reported)
 
     # ------------------------------------------------------------------------------- saving
 
@@ -119,14 +130,32 @@ class Checkpointer:
                                       f"{self.directory}; pass force=True to replace it")
             self._mgr.delete(step)
         state = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.asarray(x), state)
+        self._check_space(step, state, meta)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(meta))
-        # force: the trainer decides when to save (also below the latest step after a rollback).
-        self._mgr.save(step, args=args, force=True)
-        self._good[step] = meta["good"]
-        self._writer = threading.Thread(target=self._finalize, args=(step,), daemon=True,
-                                        name=f"rlhf_jax-checkpoint-{step}")
-        self._writer.start()
+        with _signals_held():
+            # force: the trainer decides when to save (also below the latest step after a
+            # rollback).
+            self._mgr.save(step, args=args, force=True)
+            self._good[step] = meta["good"]
+            self._writer = threading.Thread(target=self._finalize, args=(step,), daemon=True,
+                                            name=f"rlhf_jax-checkpoint-{step}")
+            self._writer.start()
+
+    def _check_space(self, step: int, state: Any, meta: dict) -> None:
+        """Refuses a save the disk cannot hold (the checkpoints already there stay intact)."""
+        need = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(state)) + len(json.dumps(meta)) + _SAVE_OVERHEAD
+        if jax.process_count() > 1:  # each host writes its own shards
+            need = need // jax.process_count() + _SAVE_OVERHEAD
+        self.directory.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise DiskFull(f"disk full: checkpoint step {step} needs about {_mb(need)} in "
+                           f"{self.directory}, {_mb(free)} are free; the checkpoints there "
+                           f"are intact ({_steps(self.all_steps())}); free space or set "
+                           "trainer.default_local_dir on a larger disk")
+        self._need = need
 
     def wait(self) -> None:
         """Blocks until the last save is on disk (with its manifest) and old steps are pruned."""
@@ -146,8 +175,14 @@ class Checkpointer:
             self._writer = None
         if self._writer_error is not None:
             err, self._writer_error = self._writer_error, None
-            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {err}") \
-                from err
+            self._failed = True
+            if _no_space(err):
+                raise DiskFull(f"disk full while saving a checkpoint in {self.directory} (it "
+                               f"needs about {_mb(self._need)}); the older checkpoints are "
+                               f"intact ({_steps(self.all_steps())}): free space or set "
+                               "trainer.default_local_dir on a larger disk") from None
+            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: "
+                                  f"{_one_line(err)}") from None
         self._prune()
 
     def _prune(self) -> None:
@@ -197,9 +232,10 @@ class Checkpointer:
                                   f"(have {self.all_steps()})")
         return self._restore(step, _abstract(target_state, shardings))
 
-    def restore_latest_good(self, *, target_state: Any, shardings: Any = None
-                            ) -> GoodRestore | None:
-        """The newest checkpoint with `meta["good"]` that restores intact; None if there are none.
+    def restore_latest_good(self, *, target_state: Any, shardings: Any = None,
+                            newest: int | None = None) -> GoodRestore | None:
+        """The newest checkpoint with `meta["good"]` that restores intact (of the steps up to
+        `newest`, when given); None if there are none.
 
         Damaged newer checkpoints are skipped with one `CheckpointWarning` each, naming the
         damaged and the restored step; all passed-over steps are listed in `.skipped`.
@@ -208,7 +244,8 @@ class Checkpointer:
           CheckpointError: checkpoints exist, but none is both good and intact.
         """
         self._finish_writer()
-        steps = sorted(self._mgr.all_steps(), reverse=True)
+        steps = sorted((s for s in self._mgr.all_steps() if newest is None or s <= newest),
+                       reverse=True)
         if not steps:
             return None
         abstract = _abstract(target_state, shardings)
@@ -249,6 +286,10 @@ class Checkpointer:
                 problem = _one_line(e)
         raise DamagedCheckpoint(step, path, problem)
 
+    def read_meta(self, step: int) -> dict:
+        """The JSON part of checkpoint `step` (raises what orbax raises if it is damaged)."""
+        return self._read_meta(step)
+
     def _read_meta(self, step: int) -> dict:
         out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(out["meta"])
@@ -278,13 +319,37 @@ class Checkpointer:
         try:
             self._finish_writer()
         finally:
-            self._mgr.close()
+            try:
+                self._mgr.close()
+            except Exception as e:  # orbax raises a failed save's error once more
+                if not self._failed:
+                    raise CheckpointError(f"closing the checkpoints in {self.directory} "
+                                          f"failed: {_one_line(e)}") from None
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """A SIGTERM whose handler raises (scripts/train.py's) waits until orbax has started a
+    save: raised inside it, it would leave orbax's threads half-way; after it, `close()`
+    waits for the save to finish."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield
+        return
+    pending = []
+    signal.signal(signal.SIGTERM, lambda *sig: pending.append(sig))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        for sig in pending[:1]:
+            handler(*sig)
 
 
 def _abstract(target: Any, shardings: Any) -> Any:
@@ -341,6 +406,25 @@ def _check_manifest(step_dir: Path) -> str | None:
         if want["crc32"] is not None and zlib.crc32(p.read_bytes()) != want["crc32"]:
             return f"{rel} has a wrong CRC32"
     return None
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _steps(steps: list[int]) -> str:
+    return "steps " + ", ".join(map(str, steps)) if steps else "none yet"
+
+
+def _no_space(e: BaseException | None) -> bool:
+    """ENOSPC anywhere in the chain of causes (orbax and tensorstore wrap it, or only name
+    it in their message)."""
+    while e is not None:
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) \
+                or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _one_line(e: BaseException) -> str:

@@ -110,7 +110,8 @@ def _rollback(trainer, state, info: StepInfo):
         return state._replace(watch=trainer.watch.state())
     trainer.history.append(info.metrics)
     trainer.log(info.metrics)
-    state, event = trainer.recovery.roll_back(state, cause)
+    state, event = trainer.recovery.roll_back(
+        state, cause, newest=trainer.watch.newest_restorable(info.step, info.metrics))
     trainer._restored(state)
     trainer.log(event)
     info.rolled_back = True

@@ -20,6 +20,11 @@ from rlhf_jax.config import to_dict
 from rlhf_jax.core_algos import KLControllerState
 from rlhf_jax.rollback import RollbackLimit
 
+# Settings that change which arrays a run state holds, or their shapes.
+STRUCTURAL = ("critic.enable", "actor_rollout_ref.actor.use_kl_loss",
+              "algorithm.use_kl_in_reward", "actor_rollout_ref.model.", "critic.model.",
+              "actor_rollout_ref.actor.optim.", "critic.optim.")
+
 
 class RunState(NamedTuple):
     """One run's state between two steps."""
@@ -89,22 +94,46 @@ class Recovery:
                 got = source.restore(int(path.name), target_state=target)
             origin = str(path)
         else:
-            got = self.checkpointer.restore_latest_good(target_state=target)
+            try:
+                got = self.checkpointer.restore_latest_good(target_state=target)
+            except CheckpointError as e:
+                raise self._other_config(e) from None
             if got is None:
                 return None
             origin = str(self.checkpointer.directory / str(got.step))
         return state.loaded(got.step, got.state, got.meta), origin
 
-    def roll_back(self, state: RunState, cause: str) -> tuple[RunState, dict]:
-        """The latest good checkpoint with both learning rates scaled by `lr_factor`, and
-        the `training/rollbacks` event; `RollbackLimit` past `max_rollbacks`."""
+    def _other_config(self, error: CheckpointError) -> CheckpointError:
+        """`error`, or what it likely means: the directory holds another configuration's
+        checkpoints (intact ones, whose arrays do not fit this run's)."""
+        ckpt = self.checkpointer
+        try:
+            saved = ckpt.read_meta(ckpt.latest_step())["config"]
+        except Exception:  # no readable config: the checkpoints are damaged indeed
+            return error
+        # The settings that decide which arrays a checkpoint holds first.
+        diff = sorted(config_diff(saved, to_dict(self.cfg)),
+                      key=lambda d: not d.startswith(STRUCTURAL))
+        if not diff:
+            return error
+        shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
+        return CheckpointError(
+            f"{ckpt.directory} holds checkpoints of another configuration ({shown}); "
+            "resume with that configuration, or set another trainer.default_local_dir "
+            "(or trainer.resume_mode=disable to start afresh there)")
+
+    def roll_back(self, state: RunState, cause: str, newest: int | None = None
+                  ) -> tuple[RunState, dict]:
+        """The latest good checkpoint (at most step `newest`) with both learning rates
+        scaled by `lr_factor`, and the `training/rollbacks` event; `RollbackLimit` past
+        `max_rollbacks`."""
         rb = self.cfg.trainer.rollback
         rollbacks, failed = state.rollbacks + 1, state.step
         if rollbacks > rb.max_rollbacks:
             raise RollbackLimit(f"step {failed}: {cause}; stopping after "
                                 f"trainer.rollback.max_rollbacks={rb.max_rollbacks} rollbacks")
         lr_scale = np.float32(float(state.actor.lr_scale) * rb.lr_factor)
-        got = self.checkpointer.restore_latest_good(target_state=state.arrays())
+        got = self.checkpointer.restore_latest_good(target_state=state.arrays(), newest=newest)
         if got is None:
             raise RollbackLimit(f"step {failed}: {cause}; no checkpoint to roll back to")
         state = state.loaded(got.step, got.state, got.meta)._replace(rollbacks=rollbacks)
@@ -117,3 +146,20 @@ class Recovery:
         event = {"event": "training/rollbacks", "count": rollbacks, "cause": cause,
                  "failed_step": failed, "restored_step": got.step, "lr_scale": float(lr_scale)}
         return state, event
+
+
+def config_diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """`key: saved -> current` for each differing leaf, `trainer.*` left out (where and how
+    long a run trains does not change its state's structure)."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        path = f"{prefix}{key}"
+        a, b = saved.get(key), current.get(key)
+        if path == "trainer":
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, path + ".")
+        elif a != b and not (isinstance(a, list | tuple) and isinstance(b, list | tuple)
+                             and list(a) == list(b)):
+            out.append(f"{path}: {a!r} -> {b!r}")
+    return out

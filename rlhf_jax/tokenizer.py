@@ -160,11 +160,15 @@ class Tokenizer:
 
     # -- encode / decode --------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.encode_batch([text], add_special_tokens)[0]
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False
                      ) -> list[list[int]]:
-        encs = self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        try:
+            encs = self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        except Exception as e:  # the Rust side: e.g. a WordLevel model without its unk token
+            raise ModelError(f"tokenizer {self.name or '(unnamed)'} cannot encode "
+                             f"{texts[0]!r:.40}: {e}") from None
         return [e.ids for e in encs]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

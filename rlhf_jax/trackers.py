@@ -145,6 +145,7 @@ class JsonlTracker(Tracker):
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / METRICS
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_line(self.path)
         self._file = open(self.path, "a", encoding="utf-8")
 
     def _write(self, row: dict) -> None:
@@ -161,6 +162,17 @@ class JsonlTracker(Tracker):
 
     def close(self) -> None:
         self._file.close()
+
+
+def _drop_torn_line(path: Path) -> None:
+    """A run killed while writing a line left it without its newline: cut it off, so the
+    resumed run's rows start on a line of their own."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 # ----------------------------------------------------------------------------- tensorboard

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -31,6 +30,7 @@ from rlhf_jax import (
     packing,
     paths,
     ppo,
+    preflight,
     programs,
     roles,
     sft,
@@ -75,19 +75,15 @@ class Trainer:
         if "values" in self.estimator.needs and not cfg.critic.enable:
             raise ConfigError(f"algorithm.adv_estimator: {self.estimator.name!r} needs a "
                               "critic's values; set critic.enable=true")
-        self.run_dir = Path(cfg.trainer.default_local_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / paths.RUN_CONFIG).write_text(to_yaml(cfg))
+        self.run_dir = preflight.run_dir(cfg)
         self._prepare_synthetic()
         model_cfg = cfg.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
         self._build_data()
+        fn = cfg.reward.custom_reward_function
+        self.reward_fn = load_custom_reward_fn(fn.path, fn.name) if fn.path else None
         self.offload = offload.plan(cfg)  # before the first state is placed
         self.state = self._build_roles()
-        self.reward_fn = None
-        fn = cfg.reward.custom_reward_function
-        if fn.path:
-            self.reward_fn = load_custom_reward_fn(fn.path, fn.name)
         t = cfg.trainer
         self.trackers = [] if jax.process_index() else make_trackers(
             t.logger, self.run_dir, total_steps=self.total_steps, config=to_dict(cfg),
@@ -95,7 +91,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / paths.CHECKPOINTS,
                                          max_to_keep=t.max_ckpt_to_keep)
         self.recovery = Recovery(cfg, self.checkpointer)
-        self.watch = RollbackWatch(t.rollback.max_kl, t.rollback.value_loss_spike)
+        self.watch = RollbackWatch.from_config(t.rollback)
         self.state = self.state._replace(watch=self.watch.state(),
                                          loader=self.train_loader.get_state())
         self.stages = experience_stages(self)
@@ -181,6 +177,7 @@ class Trainer:
         arr = cfg.actor_rollout_ref
         rng = jax.random.key(cfg.trainer.seed)
         self.actor_model = roles.actor_model(cfg).with_layout(lay.mesh, lay.spec.train_rules)
+        preflight.check_vocab(self.tokenizer, self.actor_model.cfg.vocab_size, arr.model.path)
         params = roles.load_or_init(self.actor_model, arr.model.path, lay, rng)
         self.actor_optim = ts.OptimConfig.from_config(arr.actor.optim, arr.actor.grad_clip,
                                                       self.total_steps)
@@ -450,7 +447,8 @@ class Trainer:
         """Resumes from a checkpoint (`trainer.resume_mode`), or starts afresh: the SFT
         warm start, validation before training, the rollback target of step 0."""
         t = self.cfg.trainer
-        got = self.recovery.restore(self.state)
+        got = self.recovery.restore(self.state)  # before writing: it may refuse the directory
+        (self.run_dir / paths.RUN_CONFIG).write_text(to_yaml(self.cfg))
         if got is not None:
             state, origin = got
             self._restored(state)
@@ -493,8 +491,10 @@ class Trainer:
 def train(cfg) -> list[dict]:
     """Runs `cfg` to `trainer.total_training_steps`; returns the metrics of every step."""
     start = time.perf_counter()
-    trainer = Trainer(cfg)
-    history = trainer.run()
+    with preflight.RunLock(cfg):  # a second run on this directory refuses
+        preflight.warn_degenerate(cfg)
+        trainer = Trainer(cfg)
+        history = trainer.run()
     print(f"done: {trainer.global_step} steps in {time.perf_counter() - start:.1f}s, "
           f"metrics in {trainer.run_dir / paths.METRICS}")
     return history

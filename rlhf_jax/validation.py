@@ -205,6 +205,7 @@ def run(trainer) -> dict[str, float]:
     vk = trainer.cfg.actor_rollout_ref.rollout.val_kwargs
     rep = lambda xs: [x for x in xs for _ in range(vk.n)]
     sources, uids, lengths, infos = [], [], [], []
+    samples: list[tuple[str, str, float]] = []  # for trainer.log_val_generations
     seed = jax.random.key(trainer.cfg.trainer.seed + 2)
     for batch in trainer.val_loader:
         exp = trainer.generate(batch, vk.n, trainer.sampling(validate=True), seed)
@@ -213,8 +214,24 @@ def run(trainer) -> dict[str, float]:
         sources += rep(batch.data_source)
         uids += rep(batch.uid)
         lengths.append(exp.response_mask.sum(-1))
+        if trainer.cfg.trainer.log_val_generations:
+            outputs = [trainer.tokenizer.decode(r[: int(k)].tolist()) for r, k in
+                       zip(np.asarray(exp.seqs.targets), lengths[-1], strict=True)]
+            samples += zip(rep(batch.raw_prompt), outputs, rewards.scores.tolist(), strict=True)
     loader = trainer.val_loader
     loader.set_state({**loader.get_state(), "epoch": 0, "step": 0})
+    if samples:
+        trainer.log({"event": "val/generations",
+                     "samples": pick_generations(samples, trainer.cfg.trainer.log_val_generations)})
     return {**validation_metrics(sources, uids, join_infos(infos)),
             **response_length_metrics(sources, np.concatenate(lengths),
                                       trainer.cfg.data.max_response_length)}
+
+
+def pick_generations(samples: Sequence[tuple[str, str, float]], n: int) -> list[dict]:
+    """`trainer.log_val_generations`: n of the (input, output, score) samples, picked as
+    verl's `_maybe_log_val_generations` picks them (sorted by input, shuffled by a
+    RandomState seeded with 42, the first n), so each validation logs the same prompts."""
+    picked = sorted(samples, key=lambda x: x[0])
+    np.random.RandomState(SEED).shuffle(picked)
+    return [{"input": i, "output": o, "score": float(sc)} for i, o, sc in picked[:n]]

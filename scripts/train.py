@@ -3,17 +3,19 @@
 Overrides use verl's dotted keys (`actor_rollout_ref.actor.optim.lr=1e-6`, `mesh=gpu-8`);
 on several hosts run it on every host (see README "Multi-host", or scripts/launch_ray.py);
 `--print-config` prints the effective config as YAML and exits without importing jax.
-Configuration and input errors print one line (`error: ...`) and exit with status 2.
+Every failure prints one line (`error: ...`; a bug also names a file with its traceback)
+and exits with status 2; SIGTERM stops the run the same way, and the same command resumes it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from rlhf_jax.config import load_config, to_yaml
-from rlhf_jax.errors import UserError
+from rlhf_jax.errors import Interrupted, one_line
 from rlhf_jax.paths import DEFAULT_CONFIG
 
 
@@ -29,8 +31,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
+def _interrupt(signum, frame):
+    # Raised in the main thread wherever it is: the trainer's `finally` still waits for
+    # a checkpoint being written, and the next run resumes from the newest complete one.
+    raise Interrupted(f"stopped by {signal.Signals(signum).name}; the newest complete "
+                      "checkpoint is kept, and the same command resumes from it")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
@@ -53,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         with compile_cache.CompileLog() as log:
             trainer.train(cfg)
         print(f"compile: {log.summary()}; cache: {cache_dir or 'off'}")
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (Exception, KeyboardInterrupt) as exc:  # every failure: one line, exit 2
+        print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

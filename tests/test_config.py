@@ -419,7 +419,6 @@ def test_batch_arithmetic_rejects_a_bad_data_parallel_size():
     ("actor_rollout_ref.rollout.calculate_log_probs=false", "always returns"),
     ("data.return_raw_chat=true", "raw chat"),
     ("data.reward_fn_key=source", "data_source column"),
-    ("trainer.log_val_generations=2", "not logged yet"),
 ])
 def test_verl_keys_we_do_not_implement_are_refused_not_ignored(override, needle):
     from rlhf_jax.config import load_config

@@ -60,10 +60,13 @@ _RULES = (
         "reward_model.micro_batch_size_per_device", "algorithm.kl_ctrl.horizon",
         "trainer.total_epochs", "trainer.total_training_steps", "trainer.max_ckpt_to_keep",
         "trainer.sft_warmup.batch_size", "trainer.sft_warmup.eval_every",
+        "trainer.rollback.window",
         "synthetic.num_train", "synthetic.num_val",
     )],
     *[(p, _GE0) for p in (
         "trainer.critic_warmup", "trainer.rollback.max_rollbacks",
+        "trainer.rollback.warmup_steps", "trainer.rollback.value_loss_floor",
+        "trainer.rollback.value_loss_mads", "trainer.log_val_generations",
         "trainer.sft_warmup.max_steps", f"{_ARR}.actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef",
         f"{_ARR}.actor.lm_head_chunk_size", f"{_ARR}.ref.lm_head_chunk_size",
     )],
@@ -105,7 +108,6 @@ _ONLY = (
     ("data.return_raw_chat", False, "the rollout engine takes token ids, never the raw chat"),
     (f"{_ARR}.rollout.calculate_log_probs", True,
      "the engine always returns the sampled tokens' log-probs (rollout_probs_diff, bypass)"),
-    ("trainer.log_val_generations", 0, "validation generations are not logged yet"),
     ("algorithm.filter_groups.max_inflight_gen_batches", 1,
      "dynamic sampling generates one batch, scores and filters it, then the next"),
 )

@@ -344,11 +344,17 @@ class AlgorithmConfig(Section):
 @_section
 class RollbackConfig(Section):
     """`trainer.rollback.*`: restore the last checkpoint and scale the learning rates by
-    lr_factor when KL > max_kl, a loss is NaN, or the value loss jumps by value_loss_spike x."""
+    lr_factor when KL > max_kl, a loss is NaN, or the value loss spikes (rollback.py): above
+    value_loss_floor, value_loss_spike x the median of the last `window` good steps, and
+    value_loss_mads (scaled) MADs above that median, once warmup_steps good steps are in."""
 
     enable: bool = True
     max_kl: float = 0.1
     value_loss_spike: float = 2.0
+    value_loss_floor: float = 0.1  # ours: 0.5 E[(V - R)^2] of 0.1 is an error of ~0.45
+    value_loss_mads: float = 6.0
+    window: int = 20
+    warmup_steps: int = 3
     lr_factor: float = 0.5
     max_rollbacks: int = 3
 
@@ -390,6 +396,7 @@ class TrainerConfig(Section):
     early_stop_score: float | None = None
     max_ckpt_to_keep: int | None = None  # null: keep all
     seed: int = 0
+    # Validation samples (input, output, score) logged as a `val/generations` event.
     log_val_generations: int = 0
     # Steps traced by jax.profiler into <default_local_dir>/profile (verl's key; null: none).
     profile_steps: tuple[int, ...] | None = None

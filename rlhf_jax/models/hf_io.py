@@ -113,6 +113,28 @@ def _param_map(model: Model) -> list[tuple[tuple[str, ...], str, Callable, Calla
 # ------------------------------------------------------------------------- safetensors files
 
 
+def _read_header(file: Path) -> tuple[int, dict]:
+    """The header length and tensor entries of a .safetensors file, checked against its size.
+
+    Raises:
+        ModelError: the header is unreadable or the file is shorter than the header says.
+    """
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"header length {n} beyond the file's {size} bytes")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ModelError(f"{file} is not a readable safetensors file: {e}") from None
+    if 8 + n + end > size:
+        raise ModelError(f"{file} is truncated: {size} bytes, its header needs {8 + n + end}")
+    return n, header
+
+
 class SafetensorsDir:
     """Memory-mapped read access to every tensor of an HF checkpoint directory."""
 
@@ -120,7 +142,10 @@ class SafetensorsDir:
         self.path = Path(path)
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ModelError(f"{index} is unreadable: {e}") from None
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
@@ -131,10 +156,7 @@ class SafetensorsDir:
             file = self.path / name
             if not file.is_file():
                 raise ModelError(f"{index}: names missing file {name}")
-            with open(file, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
+            n, header = _read_header(file)
             for key, info in header.items():
                 self._where[key] = (file, info, 8 + n)
 

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rlhf_jax.errors import ConfigError
+from rlhf_jax.errors import ConfigError, UserError
 from rlhf_jax.rewards import addition, gsm8k
 from rlhf_jax.rewards import math as math_reward
 from rlhf_jax.rewards.overlong import overlong_penalty
@@ -112,7 +112,13 @@ def _module_from_file(path: str):
         raise ConfigError(f"custom reward file {path} is not a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: a syntax error, or its top level raised
+        del sys.modules[name]
+        where = f" line {e.lineno}" if isinstance(e, SyntaxError) else ""
+        raise ConfigError(f"reward.custom_reward_function.path: {path}{where} cannot be "
+                          f"imported: {type(e).__name__}: {_first_line(e)}") from None
     return module
 
 
@@ -133,13 +139,33 @@ def load_custom_reward_fn(path: str, name: str = "compute_score") -> Callable[..
         except ModuleNotFoundError as e:
             if e.name is not None and path.startswith(e.name):
                 raise ConfigError(f"custom reward module not found: {path}") from None
-            raise  # the module exists but one of its own imports failed
+            raise ConfigError(f"custom reward module {path} cannot be imported: "
+                              f"{type(e).__name__}: {_first_line(e)}") from None
+        except Exception as e:  # the module exists but its top level failed
+            raise ConfigError(f"custom reward module {path} cannot be imported: "
+                              f"{type(e).__name__}: {_first_line(e)}") from None
     fn = getattr(module, name, None)
     if fn is None:
         raise ConfigError(f"custom reward {path} has no function {name!r}")
     if not callable(fn):
         raise ConfigError(f"custom reward {path}: {name!r} is not callable")
     return fn
+
+
+class RewardError(UserError):
+    """A reward function raised, or returned no finite score, on one row."""
+
+
+def _row(source: str, i: int, extra: Any, row: str | None) -> str:
+    index = extra.get("index") if isinstance(extra, Mapping) else None
+    where = f"response {i} of the batch" + ("" if row is None else f", row {row}")
+    where += "" if index is None else f" (extra_info.index {index})"
+    return f"data_source {source!r}, {where}"
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else ""
 
 
 def _as_float(value: Any) -> float:
@@ -174,9 +200,11 @@ def score_batch(data_sources: Sequence[str], responses: Sequence[str],
 
 def score_batch_info(data_sources: Sequence[str], responses: Sequence[str],
                      ground_truths: Sequence[Any], extra_infos: Sequence[Any] | None = None,
-                     custom_fn: Callable[..., Any] | None = None) -> Rewards:
+                     custom_fn: Callable[..., Any] | None = None,
+                     rows: Sequence[str] | None = None) -> Rewards:
     """`score_batch` with the entries of dict results gathered per key, as verl's reward
-    managers do (a float result adds none). `scores` equals `raw` (no shaping yet)."""
+    managers do (a float result adds none). `scores` equals `raw` (no shaping yet).
+    `rows` name each response's data row ("file:row") in the error of a failing scorer."""
     n = len(responses)
     extra_infos = [None] * n if extra_infos is None else extra_infos
     if not len(data_sources) == len(ground_truths) == len(extra_infos) == n:
@@ -185,12 +213,25 @@ def score_batch_info(data_sources: Sequence[str], responses: Sequence[str],
     info: dict[str, list] = {}
     for i, (source, response, truth, extra) in enumerate(
             zip(data_sources, responses, ground_truths, extra_infos, strict=True)):
-        if custom_fn is not None:
-            result = custom_fn(data_source=source, solution_str=response, ground_truth=truth,
-                               extra_info=extra)
-        else:
-            result = compute_result(source, response, truth, extra)
-        scores[i] = _as_float(result)
+        where = _row(source, i, extra, None if rows is None else rows[i])
+        try:
+            if custom_fn is not None:
+                result = custom_fn(data_source=source, solution_str=response,
+                                   ground_truth=truth, extra_info=extra)
+            else:
+                result = compute_result(source, response, truth, extra)
+        except ConfigError:
+            raise
+        except Exception as e:  # the scorer is user code: name the row it failed on
+            raise RewardError(f"the reward function raised on {where}: {type(e).__name__}: "
+                              f"{_first_line(e)}") from None
+        try:
+            scores[i] = _as_float(result)
+        except (TypeError, ValueError, KeyError):
+            raise RewardError(f"the reward function returned {result!r:.80} on {where}: want "
+                              "a float or a dict with a float 'score'") from None
+        if not np.isfinite(scores[i]):
+            raise RewardError(f"the reward function returned {scores[i]} on {where}")
         if isinstance(result, Mapping):
             for key, value in result.items():
                 info.setdefault(key, [None] * n)[i] = value
@@ -220,7 +261,7 @@ def score_responses(tokenizer, batch, responses: np.ndarray, response_mask: np.n
              for r, k in zip(responses, lengths, strict=True)]
     rep = lambda xs: [x for x in xs for _ in range(n)]
     rewards = score_batch_info(rep(batch.data_source), texts, rep(batch.ground_truth),
-                               rep(batch.extra_info), custom_fn=custom_fn)
+                               rep(batch.extra_info), custom_fn=custom_fn, rows=rep(batch.uid))
     buf = cfg.reward_model.overlong_buffer
     if not buf.enable:
         return rewards

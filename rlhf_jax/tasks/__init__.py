@@ -9,6 +9,8 @@ from rlhf_jax.errors import ConfigError
 from rlhf_jax.tasks import addition, wordproblems
 
 TASKS = {"addition": addition, "wordproblems": wordproblems}
+# What a task writes into the model directory (a run stopped half-way leaves some of them).
+_OWN_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors")
 
 
 def prepare(cfg) -> list[str]:
@@ -23,7 +25,19 @@ def prepare(cfg) -> list[str]:
     if synthetic.task not in TASKS:
         raise ConfigError(f"synthetic.task: unknown task {synthetic.task!r} "
                           f"(known: {', '.join(sorted(TASKS))})")
-    return TASKS[synthetic.task].prepare(cfg)
+    model = Path(cfg.actor_rollout_ref.model.path)
+    others = [] if not model.is_dir() or (model / "config.json").is_file() else \
+        sorted(p.name for p in model.iterdir() if p.name not in _OWN_FILES)
+    if others:
+        raise ConfigError(f"actor_rollout_ref.model.path: {model} holds other files "
+                          f"({', '.join(others[:3])}) but no config.json; the synthetic task "
+                          "writes its model only into a new or empty directory (is the path "
+                          "mistyped?)")
+    written = TASKS[synthetic.task].prepare(cfg)
+    if written:
+        print(f"synthetic.task {synthetic.task}: wrote {', '.join(map(str, written))}",
+              flush=True)
+    return written
 
 
 def prepare_model(cfg) -> None:
@@ -32,6 +46,9 @@ def prepare_model(cfg) -> None:
     task = TASKS[cfg.synthetic.task]
     path = Path(cfg.actor_rollout_ref.model.path)
     if not (path / "config.json").is_file():
+        print(f"synthetic.task {cfg.synthetic.task}: no model at "
+              f"actor_rollout_ref.model.path {path}: writing a random-init one there",
+              flush=True)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(task.MODEL, indent=2))
     from rlhf_jax.roles import ensure_model_weights  # jax and the model: only when needed
