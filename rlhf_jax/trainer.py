@@ -45,7 +45,8 @@ from rlhf_jax.data import PromptDataset, PromptLoader
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.experience import Experience, experience_stages
 from rlhf_jax.hooks import StepInfo, trainer_hooks
-from rlhf_jax.metrics import Timer, data_metrics, step_perf
+from rlhf_jax.metrics import Timer, data_metrics, memory_metrics, step_perf, timing_per_token_ms
+from rlhf_jax.progress import Progress
 from rlhf_jax.recovery import Recovery, RunState
 from rlhf_jax.rewards import Rewards, load_custom_reward_fn, score_responses
 from rlhf_jax.rollback import RollbackWatch
@@ -60,6 +61,7 @@ class Trainer:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.progress = Progress()  # phase lines and bars on the console
         self.layouts = roles.build_mesh(cfg)
         # The validated split of a step's sequences, as each role's update walks it.
         checked = validate_batch_arithmetic(cfg, self.layouts.dp)
@@ -91,7 +93,8 @@ class Trainer:
         t = cfg.trainer
         self.trackers = [] if jax.process_index() else make_trackers(
             t.logger, self.run_dir, total_steps=self.total_steps, config=to_dict(cfg),
-            project=t.project_name, experiment=t.experiment_name)
+            project=t.project_name, experiment=t.experiment_name, test_freq=t.test_freq,
+            save_freq=t.save_freq)
         self.checkpointer = Checkpointer(self.run_dir / paths.CHECKPOINTS,
                                          max_to_keep=t.max_ckpt_to_keep)
         self.recovery = Recovery(cfg, self.checkpointer)
@@ -412,12 +415,16 @@ class Trainer:
             metrics, exp.seqs.segment_ids.sum(-1), self.peak_flops, self.actor_model.cfg,
             c.actor_rollout_ref.actor.ppo_epochs, self.critic_model.cfg if c.critic.enable
             else None, c.critic.ppo_epochs))
+        metrics.update(timing_per_token_ms(metrics, exp.prompt_mask.sum(), exp.sampled_mask.sum()))
+        metrics.update(memory_metrics())
         return state, {k: float(v) for k, v in metrics.items()}
 
     def validate(self) -> dict:
         """verl's `val-core/...` and `val-aux/...` metrics of `val_kwargs.n` responses per
-        validation prompt (`validation.run`)."""
-        return {} if self.val_loader is None else val_metrics.run(self)
+        validation prompt (`validation.run`), and its time (`timing_s/testing`)."""
+        start = time.perf_counter()
+        out = {} if self.val_loader is None else val_metrics.run(self)
+        return {**out, "timing_s/testing": time.perf_counter() - start} if out else out
 
     def sync_weights(self, params=None) -> None:
         """update_weights: the actor's parameters, train layout -> the engine's generate
@@ -450,7 +457,8 @@ class Trainer:
         """Resumes from a checkpoint (`trainer.resume_mode`), or starts afresh: the SFT
         warm start, validation before training, the rollback target of step 0."""
         t = self.cfg.trainer
-        got = self.recovery.restore(self.state)
+        with self.progress.phase("restoring the latest checkpoint"):
+            got = self.recovery.restore(self.state)
         if got is not None:
             state, origin = got
             self._restored(state)
@@ -471,6 +479,8 @@ class Trainer:
             self.start()
             if self.global_step + 1 in (self.cfg.trainer.profile_steps or ()):
                 jax.profiler.start_trace(str(self.run_dir / paths.PROFILE))  # the hook stops it
+            if self.global_step < self.total_steps:
+                self.precompile.wait(self.progress)  # says so while the step's programs compile
             while self.global_step < self.total_steps:
                 batch = self._next_batch()
                 state = self.state._replace(step=self.global_step + 1,
@@ -493,7 +503,8 @@ class Trainer:
 def train(cfg) -> list[dict]:
     """Runs `cfg` to `trainer.total_training_steps`; returns the metrics of every step."""
     start = time.perf_counter()
-    trainer = Trainer(cfg)
+    with Progress().phase("setting up the run (data, tokenizer, models, mesh)", min_seconds=1.0):
+        trainer = Trainer(cfg)
     history = trainer.run()
     print(f"done: {trainer.global_step} steps in {time.perf_counter() - start:.1f}s, "
           f"metrics in {trainer.run_dir / paths.METRICS}")

@@ -206,14 +206,19 @@ def run(trainer) -> dict[str, float]:
     rep = lambda xs: [x for x in xs for _ in range(vk.n)]
     sources, uids, lengths, infos = [], [], [], []
     seed = jax.random.key(trainer.cfg.trainer.seed + 2)
-    for batch in trainer.val_loader:
-        exp = trainer.generate(batch, vk.n, trainer.sampling(validate=True), seed)
-        rewards = trainer.reward(batch, exp, vk.n)
-        infos.append((len(rewards.scores), {"reward": rewards.scores.tolist(), **rewards.info}))
-        sources += rep(batch.data_source)
-        uids += rep(batch.uid)
-        lengths.append(exp.response_mask.sum(-1))
     loader = trainer.val_loader
+    bar = trainer.progress.bar("validating", len(loader), unit="batch")
+    with trainer.progress.phase(f"validating ({len(loader)} batches, n={vk.n})"):
+        for batch in loader:
+            exp = trainer.generate(batch, vk.n, trainer.sampling(validate=True), seed)
+            rewards = trainer.reward(batch, exp, vk.n)
+            infos.append((len(rewards.scores),
+                          {"reward": rewards.scores.tolist(), **rewards.info}))
+            sources += rep(batch.data_source)
+            uids += rep(batch.uid)
+            lengths.append(exp.response_mask.sum(-1))
+            bar.update(1)
+    bar.close()
     loader.set_state({**loader.get_state(), "epoch": 0, "step": 0})
     return {**validation_metrics(sources, uids, join_infos(infos)),
             **response_length_metrics(sources, np.concatenate(lengths),
