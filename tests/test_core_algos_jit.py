@@ -2,6 +2,7 @@
 `core_algos.jitted` with the eager call's arguments, and gives the eager results."""
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -151,3 +152,24 @@ def test_every_function_with_an_option_is_covered():
         and OPTION_NAMES & set(inspect.signature(getattr(ca, name)).parameters)
         and name not in CASES]
     assert not uncovered, uncovered
+
+
+def test_every_public_function_documents_its_args_and_returns():
+    """Google-style `Args:` naming every parameter, and `Returns:`."""
+    missing = {}
+    for name in ca.__all__:
+        fn = getattr(ca, name)
+        if not inspect.isfunction(fn):
+            continue
+        doc = inspect.getdoc(fn) or ""
+        params = [p for p in inspect.signature(fn).parameters
+                  if p not in ("args", "kwargs")]
+        args = doc.split("Args:", 1)[1].split("Returns:", 1)[0] if "Args:" in doc else ""
+        gaps = [p for p in params if not re.search(rf"(^|[\s,`]){p}[\s,:`(]", args)]
+        if "Returns:" not in doc:
+            gaps.append("Returns:")
+        if params and "Args:" not in doc:
+            gaps.append("Args:")
+        if gaps:
+            missing[name] = gaps
+    assert not missing, missing
