@@ -156,7 +156,7 @@ def _fmt(v: Any) -> str:
 
 
 def _duration(seconds: float) -> str:
-    s = int(seconds)
+    s = int(round(seconds))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 

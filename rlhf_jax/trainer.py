@@ -15,6 +15,7 @@ hooks (rollback, validation, trackers, early stop, checkpoint, profiler) after i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from pathlib import Path
@@ -486,7 +487,10 @@ class Trainer:
                 state = self.state._replace(step=self.global_step + 1,
                                             loader=self.train_loader.get_state(),
                                             epoch=self.train_loader.epoch)
-                state, metrics = self.step(batch, state)
+                with self.progress.phase(f"step {state.step}, the first of this process "
+                                         "(its programs' first calls)", min_seconds=5.0) \
+                        if not self.history else contextlib.nullcontext():
+                    state, metrics = self.step(batch, state)
                 metrics["training/epoch"] = float(self.train_loader.epoch)
                 info = StepInfo(state.step, metrics, final=state.step == self.total_steps)
                 self.state = state
