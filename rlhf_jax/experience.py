@@ -27,7 +27,7 @@ class Experience(NamedTuple):
     (row i*n + j = sample j of prompt i); a field is None until its stage fills it."""
 
     seqs: ts.Sequences  # [N, ...] padded rows: prompt (left-padded) + response
-    index: np.ndarray  # [N] prompt id within the batch (the GRPO group)
+    index: np.ndarray  # [N] the GRPO group: prompt id within the batch, or any labels
     rollout_log_probs: np.ndarray  # [N, R] the engine's, at the rollout temperature
     scores: np.ndarray | None = None  # [N] the reward function's
     reward_baselines: np.ndarray | None = None  # [N] greedy response's score (ReMax)
@@ -156,8 +156,8 @@ def _advantages(trainer, state, exp, chunks):
         token_rewards, mask, estimator=alg.adv_estimator, gamma=float(alg.gamma),
         lam=float(alg.lam), norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
         values=exp.values if "values" in needs else None,
-        index=(jax.numpy.asarray(exp.index, jax.numpy.int32) if "index" in needs
-               else None),
+        # any labels (verl's string uids too) -> dense int32 ids, on the host
+        index=jax.numpy.asarray(core_algos.group_ids(exp.index)) if "index" in needs else None,
         reward_baselines=(jax.numpy.asarray(exp.reward_baselines)
                           if "reward_baselines" in needs else None),
     ))

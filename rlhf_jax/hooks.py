@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,20 +79,24 @@ class HookList:
 
 
 def trainer_hooks(trainer) -> HookList:
-    """After each step, in this order: the test fault hook, rollback, validation,
-    trackers, early stop, checkpoint, profiler."""
+    """After each step, in this order: the test fault hook, rollback, scores (the window of
+    the early stop, which it decides), validation, checkpoint, trackers, profiler.
+
+    The early stop is decided before validation and checkpoint, so a run that stops early
+    ends, as one that reaches its last step, with a validation and a checkpoint; both are
+    timed (verl's `timing_s/testing`, `timing_s/save_checkpoint`) before the trackers log
+    the step."""
     t = trainer.cfg.trainer
     hooks = HookList()
     hooks.add("fault", functools.partial(_fault, trainer))
     if t.rollback.enable:
         hooks.add("rollback", functools.partial(_rollback, trainer))
+    hooks.add("scores", functools.partial(_scores, trainer))
     if t.test_freq > 0:
         hooks.add("validation", functools.partial(_validation, trainer), every=t.test_freq,
                   at_end=True)
-    hooks.add("trackers", functools.partial(_trackers, trainer))
-    if t.early_stop_score is not None:
-        hooks.add("early_stop", functools.partial(_early_stop, trainer))
     hooks.add("checkpoint", functools.partial(_checkpoint, trainer), every=t.save_freq, at_end=True)
+    hooks.add("trackers", functools.partial(_trackers, trainer))
     if t.profile_steps:
         hooks.add("profiler", functools.partial(_profiler, trainer))
     return hooks
@@ -117,26 +122,31 @@ def _rollback(trainer, state, info: StepInfo):
     info.rolled_back = True
     return state
 
+def _scores(trainer, state, info: StepInfo):
+    """The last 5 steps' mean score, and the early stop (`trainer.early_stop_score`)."""
+    t = trainer.cfg.trainer
+    recent = (*state.recent_scores, info.metrics["critic/score/mean"])[-5:]
+    if t.early_stop_score is not None and len(recent) == 5 \
+            and np.mean(recent) >= t.early_stop_score:
+        info.stop = True
+        trainer.progress.note(f"early stop at step {state.step}: mean score of the last 5 "
+                              f"steps {np.mean(recent):.3f} >= {t.early_stop_score}")
+    return state._replace(recent_scores=recent)
+
 def _validation(trainer, state, info: StepInfo):
-    info.metrics.update(trainer.validate())
+    info.metrics.update(trainer.validate())  # with timing_s/testing
+    return state
+
+def _checkpoint(trainer, state, info: StepInfo):
+    start = time.perf_counter()
+    with trainer.progress.phase(f"saving checkpoint {state.step}", min_seconds=2.0):
+        trainer.recovery.save(state)
+    info.metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
     return state
 
 def _trackers(trainer, state, info: StepInfo):
     trainer.history.append(info.metrics)
     trainer.log(info.metrics)
-    score = info.metrics["critic/score/mean"]
-    return state._replace(recent_scores=(*state.recent_scores, score)[-5:])
-
-def _early_stop(trainer, state, info: StepInfo):
-    t, recent = trainer.cfg.trainer, state.recent_scores
-    if len(recent) == 5 and np.mean(recent) >= t.early_stop_score:
-        info.stop = True
-        print(f"early stop at step {state.step}: mean score of the last 5 steps "
-              f"{np.mean(recent):.3f} >= {t.early_stop_score}", flush=True)
-    return state
-
-def _checkpoint(trainer, state, info: StepInfo):
-    trainer.recovery.save(state)
     return state
 
 def _profiler(trainer, state, info: StepInfo):

@@ -45,15 +45,20 @@ def data_metrics(*, scores, token_rewards, advantages, returns, response_mask, p
                  max_response_length: int, max_prompt_length: int, values=None):
     """verl's `compute_data_metrics`: statistics over valid tokens and sequences.
 
+    As verl's, the score and reward statistics leave out aborted responses (length 0) and
+    `response_length_non_aborted/*` and `response/aborted_ratio` report them (the engine
+    always samples at least one token, so the ratio is 0 unless a custom path aborts).
+
     Args (numpy): scores [N]; token_rewards, advantages, returns, values, response_mask [N, R];
       prompt_mask [N, P].
     """
     mask = response_mask.astype(bool)
     resp_len = response_mask.sum(-1)
     prompt_len = prompt_mask.sum(-1)
+    kept = resp_len > 0
     out = {}
-    out.update(_stats("critic/score", np.asarray(scores)))
-    out.update(_stats("critic/rewards", (token_rewards * response_mask).sum(-1)))
+    out.update(_stats("critic/score", np.asarray(scores)[kept]))
+    out.update(_stats("critic/rewards", (token_rewards * response_mask).sum(-1)[kept]))
     out.update(_stats("critic/advantages", advantages[mask]))
     out.update(_stats("critic/returns", returns[mask]))
     if values is not None:
@@ -63,9 +68,66 @@ def data_metrics(*, scores, token_rewards, advantages, returns, response_mask, p
         out["critic/vf_explained_var"] = float(1.0 - np.var(ret - val) / (var + 1e-5))
     out.update(_stats("response_length", resp_len.astype(np.float32)))
     out["response_length/clip_ratio"] = float(np.mean(resp_len == max_response_length))
+    nan = float("nan")
+    live = resp_len[kept].astype(np.float32)
+    out.update(_stats("response_length_non_aborted", live) or dict.fromkeys(
+        [f"response_length_non_aborted/{k}" for k in ("mean", "max", "min")], nan))
+    out["response_length_non_aborted/clip_ratio"] = (
+        float(np.mean(live == max_response_length)) if live.size else nan)
+    out["response/aborted_ratio"] = float(np.mean(~kept))
     out.update(_stats("prompt_length", prompt_len.astype(np.float32)))
     out["prompt_length/clip_ratio"] = float(np.mean(prompt_len == max_prompt_length))
     return out
+
+
+# verl's `compute_timing_metrics`: the stages it divides by a token count, and which count.
+PER_TOKEN_STAGES = {"gen": "response", "ref": "all", "values": "all", "adv": "all",
+                    "update_critic": "all", "update_actor": "all"}
+
+
+def timing_per_token_ms(metrics: dict, prompt_tokens: float, response_tokens: float) -> dict:
+    """verl's `timing_per_token_ms/<stage>`: a stage's `timing_s/<stage>` in milliseconds per
+    token (response tokens for `gen`, prompt + response tokens for the others; 0 when there
+    are none), for the stages of `PER_TOKEN_STAGES` that the step timed."""
+    count = {"response": float(response_tokens), "all": float(prompt_tokens + response_tokens)}
+    out = {}
+    for stage, which in PER_TOKEN_STAGES.items():
+        seconds = metrics.get(f"timing_s/{stage}")
+        if seconds is not None:
+            n = count[which]
+            out[f"timing_per_token_ms/{stage}"] = seconds * 1000 / n if n > 0 else 0.0
+    return out
+
+
+def memory_metrics() -> dict[str, float]:
+    """verl's `perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb` (the peak over
+    this process's devices, in GiB) and `perf/cpu_memory_used_gb` (the host's used memory,
+    psutil's `virtual_memory().used`, as verl's).
+
+    From each device's allocator statistics (`peak_bytes_in_use`; reserved: the allocator's
+    pool, `peak_pool_bytes` / `pool_bytes`, else `peak_bytes_reserved`). A backend without
+    statistics (the CPU one, whose arrays live in host memory) reports the process's peak
+    resident memory for both.
+    """
+    import resource
+
+    import jax
+    import psutil
+
+    allocated = reserved = 0.0
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    if all(s for s in stats):
+        for s in stats:
+            peak = s.get("peak_bytes_in_use", s.get("bytes_in_use", 0))
+            pool = s.get("peak_pool_bytes") or s.get("pool_bytes") or s.get(
+                "peak_bytes_reserved") or peak
+            allocated, reserved = max(allocated, peak), max(reserved, pool)
+    else:  # ru_maxrss is in KiB on Linux
+        allocated = reserved = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+    gib = 1024.0**3
+    return {"perf/max_memory_allocated_gb": allocated / gib,
+            "perf/max_memory_reserved_gb": reserved / gib,
+            "perf/cpu_memory_used_gb": psutil.virtual_memory().used / gib}
 
 
 def train_flops(model_cfg, seq_lens: np.ndarray, passes: float = 1.0) -> float:

@@ -97,6 +97,14 @@ class Precompile:
         self.thread.join(timeout)
         return self
 
+    def wait(self, progress) -> None:
+        """Joins, with a `progress` phase line when the wait is not short (the first step
+        would otherwise wait for these programs, silently, inside its timings)."""
+        if self.thread.is_alive():
+            with progress.phase("compiling the step's programs", min_seconds=1.0,
+                                done=lambda: f"{len(self.compiled)} programs compiled"):
+                self.join()
+
 
 # ------------------------------------------------------------------------------ the jobs
 

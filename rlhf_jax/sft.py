@@ -17,7 +17,9 @@ includes the smoothing term (its floor is the entropy of the smoothed target, no
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,7 @@ import optax
 from rlhf_jax import batching
 from rlhf_jax import train_steps as ts
 from rlhf_jax.core_algos import logprobs_from_logits, masked_mean
+from rlhf_jax.progress import duration
 
 
 def answer_tokens(tokenizer, truths, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -110,6 +113,8 @@ def warm_start(trainer, run_state):
     bs = min(cfg.batch_size, len(dataset))
     bs -= bs % lay.dp
     score, loss = 0.0, float("nan")
+    progress, start = trainer.progress, time.perf_counter()
+    bar = progress.bar("sft warm start", cfg.max_steps)
     for i in range(1, cfg.max_steps + 1):
         batch = dataset.collate([dataset[j] for j in rng.choice(len(dataset), bs, replace=False)])
         truths = [target(*row) for row in zip(batch.ground_truth, batch.extra_info, strict=True)]
@@ -118,16 +123,25 @@ def warm_start(trainer, run_state):
             np.concatenate([batch.input_ids, ans], 1),
             np.concatenate([batch.attention_mask, ans_mask], 1), ans, ans_mask,
         )
-        state, loss = step(state, batching.put(seqs, lay.mesh, lay.batch_axes, lead=0),
-                           smooth_over)
+        with progress.phase("sft warm start: compiling its step") if i == 1 \
+                else contextlib.nullcontext():
+            state, loss = step(state, batching.put(seqs, lay.mesh, lay.batch_axes, lead=0),
+                               smooth_over)
+        bar.update(1)
         if i % cfg.eval_every == 0 or i == cfg.max_steps:
             trainer.sync_weights(state.params)
             exp = trainer.generate(eval_batch, 1, trainer.sampling(), jax.random.key(i))
             score = float(np.mean(trainer.score(eval_batch, exp, 1)))
-            print(f"sft warm start {i}/{cfg.max_steps} | loss={float(loss):.4g} "
-                  f"| sampled score={score:.3f}", flush=True)
+            progress.note(f"sft warm start {i}/{cfg.max_steps} | loss={float(loss):.4g} "
+                          f"| sampled score={score:.3f}")
             if score >= cfg.target_score:
                 break
+    bar.close()
+    why = (f"target reached (sampled score {score:.3f} >= target_score {cfg.target_score})"
+           if score >= cfg.target_score else
+           f"max_steps reached (sampled score {score:.3f} < target_score {cfg.target_score})")
+    progress.note(f"sft warm start: stopped at step {i}/{cfg.max_steps}, {why}, "
+                  f"in {duration(time.perf_counter() - start)}")
     actor = ts.init_state(state.params, ts.make_optimizer(trainer.actor_optim))
     trainer.sync_weights(actor.params)
     run_state = run_state._replace(actor=actor)

@@ -12,8 +12,6 @@ import importlib
 import json
 import os
 import re
-import shutil
-import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Any
 
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.paths import METRICS
+from rlhf_jax.progress import Progress, due_count, eta_seconds, fit_fields
 
 STEP_KEY = "training/global_step"
 # Which package each optional tracker imports.
@@ -70,60 +69,85 @@ class Tracker:
 
 
 class ConsoleTracker(Tracker):
-    """A progress line per step; a redrawn bar on a terminal, plain lines in a log file."""
+    """A line per step and an ETA; on a terminal a bar below the lines, and each line fitted
+    to the terminal's width by leaving out the least important figures (never cut); in a
+    log file plain, complete lines."""
 
-    COLUMNS = (  # (key, label)
-        ("critic/score/mean", "score"),
-        ("actor/reward_kl_penalty", "kl_penalty"),
-        ("actor/ppo_kl", "ppo_kl"),
-        ("critic/vf_loss", "vf_loss"),
-        ("actor/pg_loss", "pg_loss"),
-        ("perf/throughput", "tok/s"),
+    COLUMNS = (  # (key, label, priority: the lowest is kept first on a narrow terminal)
+        ("critic/score/mean", "score", 2),
+        ("actor/reward_kl_penalty", "kl_penalty", 7),
+        ("actor/ppo_kl", "ppo_kl", 6),
+        ("critic/vf_loss", "vf_loss", 5),
+        ("actor/pg_loss", "pg_loss", 3),
+        ("perf/throughput", "tok/s", 4),
     )
-    BAR_WIDTH = 20
+    PHASES = ("timing_s/testing", "timing_s/save_checkpoint")
 
-    def __init__(self, total_steps: int, stream=None, *, tty: bool | None = None):
+    def __init__(self, total_steps: int, stream=None, *, tty: bool | None = None,
+                 test_freq: int = 0, save_freq: int = 0):
         self.total = max(int(total_steps), 1)
-        self.stream = stream if stream is not None else sys.stdout
-        self.tty = _isatty(self.stream) if tty is None else tty
-        self.start = time.perf_counter()
-        self.first_step: int | None = None
+        self.progress = Progress(stream, tty=tty)
+        self.tty = self.progress.tty
+        self.every = {"timing_s/testing": test_freq, "timing_s/save_checkpoint": save_freq}
+        self.phase_seconds: dict[str, list[float]] = {k: [] for k in self.PHASES}
+        self.step_seconds: list[float] = []  # steady state: from one step's end to the next's
+        self.last: tuple[int, float] | None = None  # (step, when it was logged)
+        self._bar = None
+
+    def eta(self, step: int) -> float | None:
+        periodic = [(self.phase_seconds[k], due_count(step, self.total, self.every[k]))
+                    for k in self.PHASES]
+        return eta_seconds(self.step_seconds, self.total - step, periodic)
+
+    def _observe(self, metrics: Mapping[str, Any], step: int) -> None:
+        now = time.perf_counter()
+        phases = 0.0
+        for k in self.PHASES:
+            if k in metrics:
+                self.phase_seconds[k].append(float(metrics[k]))
+                phases += float(metrics[k])
+        if self.last is not None and step == self.last[0] + 1:
+            self.step_seconds.append(now - self.last[1] - phases)
+        self.last = (step, now)  # a rollback or a resume starts a new measurement
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        if self.first_step is None:
-            self.first_step = step - 1  # a resumed run starts counting where it resumed
-        done = max(step - self.first_step, 1)
-        eta = (time.perf_counter() - self.start) / done * max(self.total - step, 0)
-        parts = [f"step {step}/{self.total}", f"eta {_duration(eta)}"]
-        for key, label in self.COLUMNS:
+        if all(k.startswith("val-") or k in self.PHASES for k in metrics):  # before training
+            for k in self.PHASES:
+                if k in metrics:
+                    self.phase_seconds[k].append(float(metrics[k]))
+            fields = [(0, f"validation at step {step}")] + [
+                (1, f"{k} {_fmt(metrics[k])}") for k in sorted(metrics)
+                if k.startswith("val-core/")]
+            self._write(fields)
+            return
+        self._observe(metrics, step)
+        eta = self.eta(step)
+        eta_text = "eta -" if eta is None else f"eta {_duration(eta)}"
+        fields = [(0, f"step {step}/{self.total}"), (1, eta_text)]
+        for key, label, priority in self.COLUMNS:
             if key in metrics:
-                parts.append(f"{label} {_fmt(metrics[key])}")
+                fields.append((priority, f"{label} {_fmt(metrics[key])}"))
         for key in sorted(k for k in metrics if k.startswith("val-core/")):
-            parts.append(f"{key} {_fmt(metrics[key])}")
-        line = " | ".join(parts)
+            fields.append((8, f"{key} {_fmt(metrics[key])}"))
+        self._write(fields)
         if self.tty:
-            filled = round(self.BAR_WIDTH * min(step, self.total) / self.total)
-            bar = "#" * filled + "-" * (self.BAR_WIDTH - filled)
-            width = shutil.get_terminal_size((120, 20)).columns
-            # Clear the line, redraw, keep it on screen: the history scrolls above the bar.
-            line = "\r\x1b[2K" + f"[{bar}] {line}"[:width] + "\n"
+            if self._bar is None:
+                self._bar = self.progress.bar("training", self.total, initial=step)
+            self._bar.set(step, eta_text)
+
+    def _write(self, fields) -> None:
+        if self.tty:
+            self.progress.note(fit_fields(fields, self.progress.width))
         else:
-            line += "\n"
-        self.stream.write(line)
-        self.stream.flush()
+            self.progress.note(" | ".join(text for _, text in fields))
 
     def event(self, name: str, info: Mapping[str, Any], step: int) -> None:
         details = " ".join(f"{k}={_plain(v)}" for k, v in info.items())
-        prefix = "\r\x1b[2K" if self.tty else ""
-        self.stream.write(f"{prefix}event {name} at step {step}: {details}\n")
-        self.stream.flush()
+        self.progress.note(f"event {name} at step {step}: {details}")
 
-
-def _isatty(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def _fmt(v: Any) -> str:
@@ -132,7 +156,7 @@ def _fmt(v: Any) -> str:
 
 
 def _duration(seconds: float) -> str:
-    s = int(seconds)
+    s = int(round(seconds))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
@@ -189,8 +213,13 @@ class TensorBoardTracker(Tracker):
                              + "\n```", 0)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        for k, v in _numeric(metrics).items():
-            self.writer.add_scalar(k, v, step)
+        # The Summary proto itself, not `add_scalar`: tensorboardX's `add_scalar` rewrites
+        # tags outside `[-/\w.]` (`mean@1` -> `mean_1`); TensorBoard takes any tag, and
+        # verl's writer (torch's) keeps its names as they are.
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=k, simple_value=v) for k, v in _numeric(metrics).items()]
+        self.writer._get_file_writer().add_summary(Summary(value=values), step)
         self.writer.flush()
 
     def event(self, name: str, info: Mapping[str, Any], step: int) -> None:
@@ -281,6 +310,10 @@ class MlflowTracker(Tracker):
 
 
 def _mlflow_key(key: str) -> str:
+    r"""verl's MLflow sanitisation (`verl/utils/tracking.py`): `@` -> `_at_`, runs of `/`
+    -> one, any other character MLflow refuses (outside `[/\w.\- :]`) -> `_`; a name
+    MLflow takes is kept as it is."""
+    key = re.sub(r"/+", "/", key.replace("@", "_at_"))
     return re.sub(r"[^/\w.\- :]", "_", key)
 
 
@@ -313,13 +346,16 @@ def check_available(names: Iterable[str]) -> None:
 
 
 def make_trackers(names: Iterable[str], run_dir: str | Path, *, total_steps: int,
-                  config: Mapping[str, Any], project: str, experiment: str) -> list[Tracker]:
+                  config: Mapping[str, Any], project: str, experiment: str,
+                  test_freq: int = 0, save_freq: int = 0) -> list[Tracker]:
     """Builds the trackers of `trainer.logger`, in order; duplicates are ignored.
 
     Args:
       names: tracker names (console, jsonl, tensorboard, wandb, mlflow).
       run_dir: the run's output folder (metrics.jsonl, tensorboard/, wandb/, mlruns/).
       total_steps: for the console's progress and ETA.
+      test_freq, save_freq: `trainer.test_freq` / `save_freq`, for the console's ETA (the
+        validations and checkpoints still due, at their measured durations).
       config: the resolved config as a plain dict (logged as hyper-parameters).
       project, experiment: `trainer.project_name`, `trainer.experiment_name`.
     """
@@ -328,7 +364,7 @@ def make_trackers(names: Iterable[str], run_dir: str | Path, *, total_steps: int
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     build = {
-        "console": lambda: ConsoleTracker(total_steps),
+        "console": lambda: ConsoleTracker(total_steps, test_freq=test_freq, save_freq=save_freq),
         "jsonl": lambda: JsonlTracker(run_dir),
         "tensorboard": lambda: TensorBoardTracker(run_dir, config),
         "wandb": lambda: WandbTracker(run_dir, config, project, experiment),

@@ -15,6 +15,7 @@ hooks (rollback, validation, trackers, early stop, checkpoint, profiler) after i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import Any
@@ -45,7 +46,8 @@ from rlhf_jax.data import PromptDataset, PromptLoader
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.experience import Experience, experience_stages
 from rlhf_jax.hooks import StepInfo, trainer_hooks
-from rlhf_jax.metrics import Timer, data_metrics, step_perf
+from rlhf_jax.metrics import Timer, data_metrics, memory_metrics, step_perf, timing_per_token_ms
+from rlhf_jax.progress import Progress
 from rlhf_jax.recovery import Recovery, RunState
 from rlhf_jax.rewards import Rewards, load_custom_reward_fn, score_responses
 from rlhf_jax.rollback import RollbackWatch
@@ -60,6 +62,7 @@ class Trainer:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.progress = Progress()  # phase lines and bars on the console
         self.layouts = roles.build_mesh(cfg)
         # The validated split of a step's sequences, as each role's update walks it.
         checked = validate_batch_arithmetic(cfg, self.layouts.dp)
@@ -87,7 +90,8 @@ class Trainer:
         t = cfg.trainer
         self.trackers = [] if jax.process_index() else make_trackers(
             t.logger, self.run_dir, total_steps=self.total_steps, config=to_dict(cfg),
-            project=t.project_name, experiment=t.experiment_name)
+            project=t.project_name, experiment=t.experiment_name, test_freq=t.test_freq,
+            save_freq=t.save_freq)
         self.checkpointer = Checkpointer(self.run_dir / paths.CHECKPOINTS,
                                          max_to_keep=t.max_ckpt_to_keep)
         self.recovery = Recovery(cfg, self.checkpointer)
@@ -409,12 +413,16 @@ class Trainer:
             metrics, exp.seqs.segment_ids.sum(-1), self.peak_flops, self.actor_model.cfg,
             c.actor_rollout_ref.actor.ppo_epochs, self.critic_model.cfg if c.critic.enable
             else None, c.critic.ppo_epochs))
+        metrics.update(timing_per_token_ms(metrics, exp.prompt_mask.sum(), exp.sampled_mask.sum()))
+        metrics.update(memory_metrics())
         return state, {k: float(v) for k, v in metrics.items()}
 
     def validate(self) -> dict:
         """verl's `val-core/...` and `val-aux/...` metrics of `val_kwargs.n` responses per
-        validation prompt (`validation.run`)."""
-        return {} if self.val_loader is None else val_metrics.run(self)
+        validation prompt (`validation.run`), and its time (`timing_s/testing`)."""
+        start = time.perf_counter()
+        out = {} if self.val_loader is None else val_metrics.run(self)
+        return {**out, "timing_s/testing": time.perf_counter() - start} if out else out
 
     def sync_weights(self, params=None) -> None:
         """update_weights: the actor's parameters, train layout -> the engine's generate
@@ -447,7 +455,8 @@ class Trainer:
         """Resumes from a checkpoint (`trainer.resume_mode`), or starts afresh: the SFT
         warm start, validation before training, the rollback target of step 0."""
         t = self.cfg.trainer
-        got = self.recovery.restore(self.state)  # before writing: it may refuse the directory
+        with self.progress.phase("restoring the latest checkpoint"):
+            got = self.recovery.restore(self.state)  # before writing: it may refuse the directory
         (self.run_dir / paths.RUN_CONFIG).write_text(to_yaml(self.cfg))
         if got is not None:
             state, origin = got
@@ -469,12 +478,17 @@ class Trainer:
             self.start()
             if self.global_step + 1 in (self.cfg.trainer.profile_steps or ()):
                 jax.profiler.start_trace(str(self.run_dir / paths.PROFILE))  # the hook stops it
+            if self.global_step < self.total_steps:
+                self.precompile.wait(self.progress)  # says so while the step's programs compile
             while self.global_step < self.total_steps:
                 batch = self._next_batch()
                 state = self.state._replace(step=self.global_step + 1,
                                             loader=self.train_loader.get_state(),
                                             epoch=self.train_loader.epoch)
-                state, metrics = self.step(batch, state)
+                with self.progress.phase(f"step {state.step}, the first of this process "
+                                         "(its programs' first calls)", min_seconds=5.0) \
+                        if not self.history else contextlib.nullcontext():
+                    state, metrics = self.step(batch, state)
                 metrics["training/epoch"] = float(self.train_loader.epoch)
                 info = StepInfo(state.step, metrics, final=state.step == self.total_steps)
                 self.state = state
@@ -493,7 +507,9 @@ def train(cfg) -> list[dict]:
     start = time.perf_counter()
     with preflight.RunLock(cfg):  # a second run on this directory refuses
         preflight.warn_degenerate(cfg)
-        trainer = Trainer(cfg)
+        with Progress().phase("setting up the run (data, tokenizer, models, mesh)",
+                              min_seconds=1.0):
+            trainer = Trainer(cfg)
         history = trainer.run()
     print(f"done: {trainer.global_step} steps in {time.perf_counter() - start:.1f}s, "
           f"metrics in {trainer.run_dir / paths.METRICS}")

@@ -207,18 +207,24 @@ def run(trainer) -> dict[str, float]:
     sources, uids, lengths, infos = [], [], [], []
     samples: list[tuple[str, str, float]] = []  # for trainer.log_val_generations
     seed = jax.random.key(trainer.cfg.trainer.seed + 2)
-    for batch in trainer.val_loader:
-        exp = trainer.generate(batch, vk.n, trainer.sampling(validate=True), seed)
-        rewards = trainer.reward(batch, exp, vk.n)
-        infos.append((len(rewards.scores), {"reward": rewards.scores.tolist(), **rewards.info}))
-        sources += rep(batch.data_source)
-        uids += rep(batch.uid)
-        lengths.append(exp.response_mask.sum(-1))
-        if trainer.cfg.trainer.log_val_generations:
-            outputs = [trainer.tokenizer.decode(r[: int(k)].tolist()) for r, k in
-                       zip(np.asarray(exp.seqs.targets), lengths[-1], strict=True)]
-            samples += zip(rep(batch.raw_prompt), outputs, rewards.scores.tolist(), strict=True)
     loader = trainer.val_loader
+    bar = trainer.progress.bar("validating", len(loader), unit="batch")
+    with trainer.progress.phase(f"validating ({len(loader)} batches, n={vk.n})"):
+        for batch in loader:
+            exp = trainer.generate(batch, vk.n, trainer.sampling(validate=True), seed)
+            rewards = trainer.reward(batch, exp, vk.n)
+            infos.append((len(rewards.scores),
+                          {"reward": rewards.scores.tolist(), **rewards.info}))
+            sources += rep(batch.data_source)
+            uids += rep(batch.uid)
+            lengths.append(exp.response_mask.sum(-1))
+            if trainer.cfg.trainer.log_val_generations:
+                outputs = [trainer.tokenizer.decode(r[: int(k)].tolist()) for r, k in
+                           zip(np.asarray(exp.seqs.targets), lengths[-1], strict=True)]
+                samples += zip(rep(batch.raw_prompt), outputs, rewards.scores.tolist(),
+                               strict=True)
+            bar.update(1)
+    bar.close()
     loader.set_state({**loader.get_state(), "epoch": 0, "step": 0})
     if samples:
         trainer.log({"event": "val/generations",

@@ -53,23 +53,6 @@ def test_console_plain_lines_when_not_a_terminal():
     assert lines[1] == "event rollback at step 1: reason=actor/ppo_kl > 0.1 restored_step=1"
 
 
-class FakeTTY(io.StringIO):
-    def isatty(self):
-        return True
-
-
-def test_console_redraws_a_bar_on_a_terminal():
-    out = FakeTTY()
-    tracker = ConsoleTracker(4, out)
-    assert tracker.tty
-    tracker.log({"actor/reward_kl_penalty": 0.02}, 1)
-    tracker.log({"actor/reward_kl_penalty": 0.03}, 2)
-    chunks = out.getvalue().split("\n")
-    assert chunks[0].startswith("\r\x1b[2K[#####---------------] step 1/4")
-    assert chunks[1].startswith("\r\x1b[2K[##########----------] step 2/4")
-    assert "kl_penalty 0.03" in chunks[1] and chunks[2] == ""
-
-
 def test_missing_package_fails_at_start_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
     with pytest.raises(ConfigError) as err:
@@ -107,6 +90,7 @@ def test_tensorboard_scalars_read_back(tmp_path):
                 scalars.setdefault(v.tag, []).append((ev.step, round(v.simple_value, 6)))
     assert scalars["critic/score/mean"] == [(1, 0.25), (2, 0.75)]
     assert scalars["perf/throughput"] == [(1, 1234.5)]
+    assert scalars["val-core/gsm8k/acc/mean@1"] == [(1, 0.5)]  # verl's name, as it is
     assert scalars["event/rollback"] == [(2, 1.0)]
 
 
@@ -128,7 +112,8 @@ def test_mlflow_local_file_store_read_back(tmp_path, monkeypatch):
     assert run.info.run_name == "exp" and run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "critic/score/mean")
     assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.75)]
-    assert client.get_metric_history(run.info.run_id, "val-core/gsm8k/acc/mean_1")[0].value == 0.5
+    at_1 = client.get_metric_history(run.info.run_id, "val-core/gsm8k/acc/mean_at_1")
+    assert at_1[0].value == 0.5  # verl's sanitisation: @ -> _at_
     assert run.data.params["actor.lr"] == "1e-06"
     assert json.loads(run.data.tags["event/rollback/2"])["restored_step"] == 1
 

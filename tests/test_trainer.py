@@ -9,14 +9,18 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from test_verl_metric_names import check_verl_names
 from tiny_run import ROOT, algorithmic, compare, jsonl_rows, tiny
 
 from rlhf_jax.trainer import train
 
 
-def test_ppo_on_2x2x2_equals_1x1x1(tmp_path):
+def test_ppo_on_2x2x2_equals_1x1x1(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     sharded = algorithmic(train(tiny(tmp_path / "a", mesh="cpu-8")))
-    single = algorithmic(train(tiny(tmp_path / "b", mesh="single")))
+    single = algorithmic(train(tiny(tmp_path / "b", mesh="single", **{
+        "trainer.logger": "[jsonl, tensorboard, mlflow]"})))
+    check_verl_names(tmp_path / "b/run", 2)  # verl's names in every tracker's files
     compare(sharded, single, atol=1e-4)
     last = sharded[-1]
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",

@@ -11,8 +11,9 @@ group statistics), `advantages` (GAE, GRPO, RLOO, REINFORCE++, ReMax), `group_ad
 `kl` (KL penalties, KL controllers), `losses` (agg_loss with global denominators, vanilla
 policy / value / entropy losses), `policy_losses` (DPPO, GSPO, SAPO, GPG, GMPO, DRO, CISPO),
 `cov_losses` (Clip-Cov, KL-Cov), `registry` (the advantage-estimator and policy-loss
-registries, as verl's `register_adv_est` / `register_policy_loss`) and `entries` (the
-built-in entries of the registries).
+registries, as verl's `register_adv_est` / `register_policy_loss`), `entries` (the
+built-in entries of the registries) and `jitted` (every function compiled, its strings and
+modes static without naming them: `jitted.kl_penalty(logp, ref, "low_var_kl")`).
 
 The names below load their module on first use (a module `__getattr__`, PEP 562): the
 config validates names against the registries, and reading a config must not load jax
@@ -39,6 +40,9 @@ _EXPORTS = {
         "compute_grpo_passk_outcome_advantage",
         "compute_opo_outcome_advantage",
         "compute_rloo_vectorized_outcome_advantage",
+    ),
+    "jitted": (
+        "jit",
     ),
     "groups": (
         "dense_group_ids",

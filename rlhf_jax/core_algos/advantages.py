@@ -138,6 +138,10 @@ def compute_gae_return(token_level_rewards, values, response_mask, gamma, lam):
       response_mask: `[batch, time]`, 0/1.
       gamma: discount (float or scalar array).
       lam: GAE lambda (float or scalar array).
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]`: the GAE advantages before whitening and
+      `advantages + values`.
     """
     rewards = jnp.asarray(token_level_rewards)
     values = jnp.asarray(values).astype(rewards.dtype)
@@ -174,6 +178,14 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
     `compute_gae_return` (the recurrence, `returns = A + values`), then
     `advantages = masked_whiten(A, mask)` over the whole batch. The unwhitened advantages
     are `returns - values`.
+
+    Args:
+      token_level_rewards: `[batch, time]` rewards per token (an outcome score sits on the
+        last response token).
+      values: `[batch, time]` critic values V_t of the state before token t.
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      gamma: discount (float or scalar array).
+      lam: GAE lambda (float or scalar array).
 
     Returns:
       `(advantages, returns)`, each `[batch, time]`.

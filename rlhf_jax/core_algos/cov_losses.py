@@ -83,7 +83,24 @@ def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_ma
       clip_cov_ratio: fraction of the valid tokens to exempt (> 0).
       clip_cov_lb, clip_cov_ub: the open band of covariances that may be chosen.
       rng: optional `jax.random` key.
-      (the others as `losses.compute_policy_loss`)
+      old_log_prob: `[batch, time]` log-probs of the sampling (old) policy; no gradient.
+      log_prob: `[batch, time]` log-probs of the current policy (differentiate through these).
+      advantages: `[batch, time]` advantages.
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      clip_ratio: eps of the clip, the default of both sides.
+      clip_ratio_low: eps_low (None: `clip_ratio`).
+      clip_ratio_high: eps_high (None: `clip_ratio`).
+      loss_agg_mode: one of `LOSS_AGG_MODES`: how `agg_loss` reduces the per-token loss.
+      global_token_count: the mini-batch's loss-token count (`agg_loss_denominators`), so
+        micro-batches add up to one pass; None: this batch's.
+      global_seq_count: the mini-batch's sequence count, likewise; None: this batch's.
+      loss_scale_factor: the divisor of `seq-mean-token-sum-norm` (None: `time`).
+      rollout_is_weights: `[batch, time]` rollout-correction IS weights (no gradient), or None.
+
+    Returns:
+      `(loss, metrics)`: the scalar loss and a dict of scalar metrics (verl's names without
+      the `actor/` prefix: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`, ...), token means
+      over `global_token_count` when given.
 
     verl: `core_algos.compute_policy_loss_clip_cov` (per micro-batch, see the module doc).
     """
@@ -125,7 +142,21 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
     Args:
       kl_cov_ratio: fraction of the valid tokens to penalise (> 0).
       ppo_kl_coef: weight of the penalty (verl's default 0.1).
-      (the others as `losses.compute_policy_loss`)
+      old_log_prob: `[batch, time]` log-probs of the sampling (old) policy; no gradient.
+      log_prob: `[batch, time]` log-probs of the current policy (differentiate through these).
+      advantages: `[batch, time]` advantages.
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      loss_agg_mode: one of `LOSS_AGG_MODES`: how `agg_loss` reduces the per-token loss.
+      global_token_count: the mini-batch's loss-token count (`agg_loss_denominators`), so
+        micro-batches add up to one pass; None: this batch's.
+      global_seq_count: the mini-batch's sequence count, likewise; None: this batch's.
+      loss_scale_factor: the divisor of `seq-mean-token-sum-norm` (None: `time`).
+      rollout_is_weights: `[batch, time]` rollout-correction IS weights (no gradient), or None.
+
+    Returns:
+      `(loss, metrics)`: the scalar loss and a dict of scalar metrics (verl's names without
+      the `actor/` prefix: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`, ...), token means
+      over `global_token_count` when given.
 
     verl: `core_algos.compute_policy_loss_kl_cov` (per micro-batch, see the module doc).
     """

@@ -37,6 +37,10 @@ def compute_opo_outcome_advantage(token_level_rewards, response_mask, index, eps
       epsilon: unused; kept for verl's signature.
 
     verl: `core_algos.compute_opo_outcome_advantage`.
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]` and 0 outside `response_mask`; for this
+      outcome estimator both are the advantages, as verl's.
     """
     del epsilon
     _, m, scores, ids = _group_scores(token_level_rewards, response_mask, index)
@@ -63,6 +67,10 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, ind
       norm_adv_by_std_in_grpo: divide by the group std (`algorithm.norm_adv_by_std_in_grpo`).
 
     verl: `core_algos.compute_grpo_passk_outcome_advantage`.
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]` and 0 outside `response_mask`; for this
+      outcome estimator both are the advantages, as verl's.
     """
     _, m, scores, ids = _group_scores(token_level_rewards, response_mask, index)
     n, _, var = group_stats(scores, ids)
@@ -92,6 +100,10 @@ def compute_gpg_outcome_advantage(token_level_rewards, response_mask, index, eps
       f_norm: a constant divisor (verl's default 1).
 
     verl: `core_algos.compute_gpg_outcome_advantage`.
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]` and 0 outside `response_mask`; for this
+      outcome estimator both are the advantages, as verl's.
     """
     del epsilon
     _, m, scores, ids = _group_scores(token_level_rewards, response_mask, index)
@@ -119,6 +131,10 @@ def compute_gdpo_outcome_advantage(token_level_rewards, response_mask, index, ep
       reward_weights: `[K]` weights (`algorithm.gdpo_reward_weights`), or None for ones.
 
     verl: `core_algos.compute_gdpo_outcome_advantage`.
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]` and 0 outside `response_mask`; for this
+      outcome estimator both are the advantages, as verl's.
     """
     rewards = jnp.asarray(token_level_rewards)
     m = _as_mask(response_mask, rewards)
@@ -148,6 +164,18 @@ def compute_rloo_vectorized_outcome_advantage(token_level_rewards, response_mask
     there).
 
     verl: `core_algos.compute_rloo_vectorized_outcome_advantage`.
+
+    Args:
+      token_level_rewards: `[batch, time]` rewards per token (an outcome score sits on the
+        last response token).
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      index: `[batch]` group labels: any integers (under jit too) or, called eagerly, verl's
+        string uids.
+      epsilon: added to the denominator (the group std or count).
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]` and 0 outside `response_mask`; for this
+      outcome estimator both are the advantages, as verl's.
     """
     del epsilon
     _, m, scores, ids = _group_scores(token_level_rewards, response_mask, index)

@@ -86,6 +86,27 @@ def compute_policy_loss_dppo_tv(old_log_prob, log_prob, advantages, response_mas
     of 20, which never applies since its actor config always holds `clip_ratio_c` (3.0).
 
     verl: `core_algos.compute_policy_loss_dppo_tv`.
+
+    Args:
+      old_log_prob: `[batch, time]` log-probs of the sampling (old) policy; no gradient.
+      log_prob: `[batch, time]` log-probs of the current policy (differentiate through these).
+      advantages: `[batch, time]` advantages.
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      clip_ratio: the bound of the probability difference, the default of both sides.
+      clip_ratio_low: eps_low (None: `clip_ratio`).
+      clip_ratio_high: eps_high (None: `clip_ratio`).
+      clip_ratio_c: the truncation of the ratio in the gradient.
+      loss_agg_mode: one of `LOSS_AGG_MODES`: how `agg_loss` reduces the per-token loss.
+      global_token_count: the mini-batch's loss-token count (`agg_loss_denominators`), so
+        micro-batches add up to one pass; None: this batch's.
+      global_seq_count: the mini-batch's sequence count, likewise; None: this batch's.
+      loss_scale_factor: the divisor of `seq-mean-token-sum-norm` (None: `time`).
+      rollout_is_weights: `[batch, time]` rollout-correction IS weights (no gradient), or None.
+
+    Returns:
+      `(loss, metrics)`: the scalar loss and a dict of scalar metrics (verl's names without
+      the `actor/` prefix: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`, ...), token means
+      over `global_token_count` when given.
     """
     old, logp, adv, m = _prepare(old_log_prob, log_prob, advantages, response_mask)
     low, high = _eps(clip_ratio, clip_ratio_low, clip_ratio_high)
@@ -108,6 +129,27 @@ def compute_policy_loss_dppo_kl(old_log_prob, log_prob, advantages, response_mas
     (A <= 0). Loss and metrics as `compute_policy_loss_dppo_tv`.
 
     verl: `core_algos.compute_policy_loss_dppo_kl`.
+
+    Args:
+      old_log_prob: `[batch, time]` log-probs of the sampling (old) policy; no gradient.
+      log_prob: `[batch, time]` log-probs of the current policy (differentiate through these).
+      advantages: `[batch, time]` advantages.
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      clip_ratio: the bound of the KL divergence, the default of both sides.
+      clip_ratio_low: eps_low (None: `clip_ratio`).
+      clip_ratio_high: eps_high (None: `clip_ratio`).
+      clip_ratio_c: the truncation of the ratio in the gradient.
+      loss_agg_mode: one of `LOSS_AGG_MODES`: how `agg_loss` reduces the per-token loss.
+      global_token_count: the mini-batch's loss-token count (`agg_loss_denominators`), so
+        micro-batches add up to one pass; None: this batch's.
+      global_seq_count: the mini-batch's sequence count, likewise; None: this batch's.
+      loss_scale_factor: the divisor of `seq-mean-token-sum-norm` (None: `time`).
+      rollout_is_weights: `[batch, time]` rollout-correction IS weights (no gradient), or None.
+
+    Returns:
+      `(loss, metrics)`: the scalar loss and a dict of scalar metrics (verl's names without
+      the `actor/` prefix: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`, ...), token means
+      over `global_token_count` when given.
     """
     old, logp, adv, m = _prepare(old_log_prob, log_prob, advantages, response_mask)
     low, high = _eps(clip_ratio, clip_ratio_low, clip_ratio_high)
@@ -136,6 +178,26 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
 
     verl: `core_algos.compute_policy_loss_gspo` (which always aggregates with
     `seq-mean-token-mean`, the default here).
+
+    Args:
+      old_log_prob: `[batch, time]` log-probs of the sampling (old) policy; no gradient.
+      log_prob: `[batch, time]` log-probs of the current policy (differentiate through these).
+      advantages: `[batch, time]` advantages.
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      clip_ratio: eps of the clip, the default of both sides.
+      clip_ratio_low: eps_low (None: `clip_ratio`).
+      clip_ratio_high: eps_high (None: `clip_ratio`).
+      loss_agg_mode: one of `LOSS_AGG_MODES`: how `agg_loss` reduces the per-token loss.
+      global_token_count: the mini-batch's loss-token count (`agg_loss_denominators`), so
+        micro-batches add up to one pass; None: this batch's.
+      global_seq_count: the mini-batch's sequence count, likewise; None: this batch's.
+      loss_scale_factor: the divisor of `seq-mean-token-sum-norm` (None: `time`).
+      rollout_is_weights: `[batch, time]` rollout-correction IS weights (no gradient), or None.
+
+    Returns:
+      `(loss, metrics)`: the scalar loss and a dict of scalar metrics (verl's names without
+      the `actor/` prefix: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`, ...), token means
+      over `global_token_count` when given.
     """
     old, logp, adv, m = _prepare(old_log_prob, log_prob, advantages, response_mask)
     low, high = _eps(clip_ratio, clip_ratio_low, clip_ratio_high)
@@ -164,6 +226,25 @@ def compute_policy_loss_sapo(old_log_prob, log_prob, advantages, response_mask, 
 
     verl: `core_algos.compute_policy_loss_sapo` (`actor.tau_pos`, `actor.tau_neg`; it always
     aggregates with `seq-mean-token-mean`, the default here).
+
+    Args:
+      old_log_prob: `[batch, time]` log-probs of the sampling (old) policy; no gradient.
+      log_prob: `[batch, time]` log-probs of the current policy (differentiate through these).
+      advantages: `[batch, time]` advantages.
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      tau_pos: the gate temperature for A > 0.
+      tau_neg: the gate temperature for A <= 0.
+      loss_agg_mode: one of `LOSS_AGG_MODES`: how `agg_loss` reduces the per-token loss.
+      global_token_count: the mini-batch's loss-token count (`agg_loss_denominators`), so
+        micro-batches add up to one pass; None: this batch's.
+      global_seq_count: the mini-batch's sequence count, likewise; None: this batch's.
+      loss_scale_factor: the divisor of `seq-mean-token-sum-norm` (None: `time`).
+      rollout_is_weights: `[batch, time]` rollout-correction IS weights (no gradient), or None.
+
+    Returns:
+      `(loss, metrics)`: the scalar loss and a dict of scalar metrics (verl's names without
+      the `actor/` prefix: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`, ...), token means
+      over `global_token_count` when given.
     """
     old, logp, adv, m = _prepare(old_log_prob, log_prob, advantages, response_mask)
     d = jnp.clip(logp - old, -20.0, 20.0)
@@ -185,6 +266,23 @@ def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask,
     `old_log_prob` is unused. No metrics (verl reports none).
 
     verl: `core_algos.compute_policy_loss_gpg`.
+
+    Args:
+      old_log_prob: `[batch, time]` log-probs of the sampling (old) policy; no gradient.
+      log_prob: `[batch, time]` log-probs of the current policy (differentiate through these).
+      advantages: `[batch, time]` advantages.
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      loss_agg_mode: one of `LOSS_AGG_MODES`: how `agg_loss` reduces the per-token loss.
+      global_token_count: the mini-batch's loss-token count (`agg_loss_denominators`), so
+        micro-batches add up to one pass; None: this batch's.
+      global_seq_count: the mini-batch's sequence count, likewise; None: this batch's.
+      loss_scale_factor: the divisor of `seq-mean-token-sum-norm` (None: `time`).
+      rollout_is_weights: `[batch, time]` rollout-correction IS weights (no gradient), or None.
+
+    Returns:
+      `(loss, metrics)`: the scalar loss and a dict of scalar metrics (verl's names without
+      the `actor/` prefix: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`, ...), token means
+      over `global_token_count` when given.
     """
     _, logp, adv, m = _prepare(old_log_prob, log_prob, advantages, response_mask)
     return _finish(-logp * adv, m, loss_agg_mode,
@@ -211,6 +309,26 @@ def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_ma
     `pg_clipfrac_lower` = mean(d != d_c & A < 0).
 
     verl: `core_algos.compute_policy_loss_geo_mean`.
+
+    Args:
+      old_log_prob: `[batch, time]` log-probs of the sampling (old) policy; no gradient.
+      log_prob: `[batch, time]` log-probs of the current policy (differentiate through these).
+      advantages: `[batch, time]` advantages.
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      clip_ratio: eps of the clip, the default of both sides.
+      clip_ratio_low: eps_low (None: `clip_ratio`).
+      clip_ratio_high: eps_high (None: `clip_ratio`).
+      loss_agg_mode: one of `LOSS_AGG_MODES`: how `agg_loss` reduces the per-token loss.
+      global_token_count: the mini-batch's loss-token count (`agg_loss_denominators`), so
+        micro-batches add up to one pass; None: this batch's.
+      global_seq_count: the mini-batch's sequence count, likewise; None: this batch's.
+      loss_scale_factor: the divisor of `seq-mean-token-sum-norm` (None: `time`).
+      rollout_is_weights: `[batch, time]` rollout-correction IS weights (no gradient), or None.
+
+    Returns:
+      `(loss, metrics)`: the scalar loss and a dict of scalar metrics (verl's names without
+      the `actor/` prefix: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`, ...), token means
+      over `global_token_count` when given.
     """
     old, logp, adv, m = _prepare(old_log_prob, log_prob, advantages, response_mask)
     low, high = _eps(clip_ratio, clip_ratio_low, clip_ratio_high)
@@ -244,6 +362,24 @@ def compute_policy_loss_dro(old_log_prob, log_prob, advantages, response_mask, d
       ValueError: `dro_beta` is None or not positive.
 
     verl: `core_algos.compute_policy_loss_dro` (`policy_loss.dro_beta`).
+
+    Args:
+      old_log_prob: `[batch, time]` log-probs of the sampling (old) policy; no gradient.
+      log_prob: `[batch, time]` log-probs of the current policy (differentiate through these).
+      advantages: `[batch, time]` advantages.
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      dro_beta: the weight of the quadratic penalty (> 0).
+      loss_agg_mode: one of `LOSS_AGG_MODES`: how `agg_loss` reduces the per-token loss.
+      global_token_count: the mini-batch's loss-token count (`agg_loss_denominators`), so
+        micro-batches add up to one pass; None: this batch's.
+      global_seq_count: the mini-batch's sequence count, likewise; None: this batch's.
+      loss_scale_factor: the divisor of `seq-mean-token-sum-norm` (None: `time`).
+      rollout_is_weights: `[batch, time]` rollout-correction IS weights (no gradient), or None.
+
+    Returns:
+      `(loss, metrics)`: the scalar loss and a dict of scalar metrics (verl's names without
+      the `actor/` prefix: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`, ...), token means
+      over `global_token_count` when given.
     """
     if dro_beta is None or not dro_beta > 0:
         raise ValueError(f"dro_beta must be a positive number for the dro loss, got {dro_beta}")
@@ -268,6 +404,26 @@ def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask,
     `ppo_kl` = mean(-d), `pg_clipfrac_lower` = 0.
 
     verl: `core_algos.compute_policy_loss_cispo`.
+
+    Args:
+      old_log_prob: `[batch, time]` log-probs of the sampling (old) policy; no gradient.
+      log_prob: `[batch, time]` log-probs of the current policy (differentiate through these).
+      advantages: `[batch, time]` advantages.
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      clip_ratio: eps of the clip, the default of both sides.
+      clip_ratio_low: eps_low (None: `clip_ratio`).
+      clip_ratio_high: eps_high (None: `clip_ratio`).
+      loss_agg_mode: one of `LOSS_AGG_MODES`: how `agg_loss` reduces the per-token loss.
+      global_token_count: the mini-batch's loss-token count (`agg_loss_denominators`), so
+        micro-batches add up to one pass; None: this batch's.
+      global_seq_count: the mini-batch's sequence count, likewise; None: this batch's.
+      loss_scale_factor: the divisor of `seq-mean-token-sum-norm` (None: `time`).
+      rollout_is_weights: `[batch, time]` rollout-correction IS weights (no gradient), or None.
+
+    Returns:
+      `(loss, metrics)`: the scalar loss and a dict of scalar metrics (verl's names without
+      the `actor/` prefix: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`, ...), token means
+      over `global_token_count` when given.
     """
     old, logp, adv, m = _prepare(old_log_prob, log_prob, advantages, response_mask)
     low, high = _eps(clip_ratio, clip_ratio_low, clip_ratio_high)

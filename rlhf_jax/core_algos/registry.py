@@ -176,7 +176,14 @@ def register_adv_est(name: str, *, needs: tuple[str, ...] = ()) -> Callable:
 
 
 def get_adv_estimator(name: str) -> AdvEstimator:
-    """The estimator registered as `name`; raises ValueError naming the registered ones."""
+    """The estimator registered as `name`; raises ValueError naming the registered ones.
+
+    Args:
+      name: a registered estimator name (`adv_estimator_names()`).
+
+    Returns:
+      The `AdvEstimator` registered under `name` (its `fn` and `needs`).
+    """
     if name not in _ADV_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; registered: "
                          f"{', '.join(adv_estimator_names())}")
@@ -184,7 +191,11 @@ def get_adv_estimator(name: str) -> AdvEstimator:
 
 
 def adv_estimator_names() -> tuple[str, ...]:
-    """The registered estimator names, in registration order."""
+    """The registered estimator names, in registration order.
+
+    Returns:
+      A tuple of the names, in registration order.
+    """
     return tuple(_ADV_ESTIMATORS)
 
 
@@ -199,6 +210,12 @@ def register_policy_loss(name: str) -> Callable:
     gradient) multiply the per-token loss before aggregation; `metrics` maps names without
     the `actor/` prefix to scalars that add up over micro-batches. Called inside the actor
     update's jit, once per micro-batch.
+
+    Args:
+      name: the mode's name (`actor_rollout_ref.actor.policy_loss.loss_mode`).
+
+    Returns:
+      A decorator that registers the function under `name` and returns it unchanged.
     """
 
     def decorator(fn):
@@ -212,7 +229,14 @@ def register_policy_loss(name: str) -> Callable:
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    """The policy loss registered as `name`; raises ValueError naming the registered ones."""
+    """The policy loss registered as `name`; raises ValueError naming the registered ones.
+
+    Args:
+      name: a registered policy-loss mode (`policy_loss_names()`).
+
+    Returns:
+      The loss function registered under `name`.
+    """
     if name not in _POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; registered: "
                          f"{', '.join(policy_loss_names())}")
@@ -220,7 +244,11 @@ def get_policy_loss(name: str) -> PolicyLossFn:
 
 
 def policy_loss_names() -> tuple[str, ...]:
-    """The registered policy-loss modes, in registration order."""
+    """The registered policy-loss modes, in registration order.
+
+    Returns:
+      A tuple of the modes, in registration order.
+    """
     return tuple(_POLICY_LOSSES)
 
 

@@ -377,6 +377,12 @@ def apply_rollout_correction(old_log_prob, rollout_log_prob, response_mask,
                              correction: RolloutCorrection):
     """IS weights, rejection and diagnostics of a parsed `RolloutCorrection` (static).
 
+    Args:
+      old_log_prob: `[batch, time]` log-probs of the sampling (old) policy; no gradient.
+      rollout_log_prob: `[batch, time]` log-probs the rollout engine sampled with.
+      response_mask: `[batch, time]` 1 on the response (loss) tokens, 0 elsewhere.
+      correction: a parsed `RolloutCorrection` (hashable: static under jit).
+
     Returns:
       `(weights [batch, time] or None when correction.rollout_is is None,
       mask [batch, time] (the response mask less the rejected tokens), metrics)`, the

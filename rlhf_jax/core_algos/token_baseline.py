@@ -128,7 +128,19 @@ def compute_multi_turn_optimal_token_baseline_advantage(token_level_rewards, res
     and the advantages are put back at the valid positions. `W` and `G` are those of the
     uncompacted row (`G` sums the rewards of later valid tokens; `returns` is `G`).
 
-    Args and Returns: as `compute_optimal_token_baseline_advantage`.
+    Args:
+      token_level_rewards, response_mask: `[batch, time]`; the mask may have holes
+        (observation spans of a multi-turn response).
+      index: `[batch]` group labels: any integers (under jit too) or, called eagerly, verl's
+        string uids.
+      old_log_probs: `[batch, time]` log-probs of the sampled tokens under the rollout policy.
+      sum_pi_squared: `[batch, time]` `sum_v pi_v^2` of each step's next-token distribution.
+      rollout_is_weights: `[batch, time]` rollout importance weights, or None.
+      handle_zero_tail: as in `compute_optimal_token_baseline_advantage`.
+      epsilon: added to the baseline's denominator.
+
+    Returns:
+      `(advantages, returns)`, each `[batch, time]`; returns are the rewards to go.
 
     verl: `core_algos.compute_multi_turn_optimal_token_baseline_advantage`.
     """
