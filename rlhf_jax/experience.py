@@ -32,6 +32,7 @@ class Experience(NamedTuple):
     scores: np.ndarray | None = None  # [N] the reward function's
     reward_baselines: np.ndarray | None = None  # [N] greedy response's score (ReMax)
     old_log_probs: Any = None  # [N, R]
+    sum_pi_squared: Any = None  # [N, R] sum_v pi_v^2 of the old pass (the estimator reads it)
     ref_log_probs: Any = None
     values: Any = None
     token_rewards: Any = None  # scores on the last token, minus the KL penalty
@@ -100,10 +101,15 @@ def _old_from_rollout(trainer, state, exp, chunks):
                         ).with_metrics(**{"training/old_log_prob_recomputed": 0.0})
 
 def _old_log_prob(trainer, state, exp, chunks):
+    """The actor's log-probs of the sampled tokens (and `sum_pi_squared` in the same pass
+    when the estimator reads it, verl's `actor.calculate_sum_pi_squared`)."""
     old = trainer.forward("old", state.actor.params, exp.seqs, chunks)
+    spi = None
+    if isinstance(old, tuple):
+        old, spi = old
     mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
     mx, mean = ppo.rollout_probs_diff(jax.numpy.asarray(exp.rollout_log_probs), old, mask)
-    return exp._replace(old_log_probs=old).with_metrics(**{
+    return exp._replace(old_log_probs=old, sum_pi_squared=spi).with_metrics(**{
         "training/old_log_prob_recomputed": 1.0,
         "training/rollout_probs_diff_max": float(mx),
         "training/rollout_probs_diff_mean": float(mean)})
@@ -152,13 +158,16 @@ def _advantages(trainer, state, exp, chunks):
     if trainer.values_in_update:  # the critic's update fills values, advantages, returns
         return exp
     needs = trainer.estimator.needs
+    given = lambda name, x: jax.numpy.asarray(x) if name in needs and x is not None else None
     adv, returns = batching.fetch(ppo.advantages(
         token_rewards, mask, estimator=alg.adv_estimator, gamma=float(alg.gamma),
         lam=float(alg.lam), norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
         values=exp.values if "values" in needs else None,
         # any labels (verl's string uids too) -> dense int32 ids, on the host
         index=jax.numpy.asarray(core_algos.group_ids(exp.index)) if "index" in needs else None,
-        reward_baselines=(jax.numpy.asarray(exp.reward_baselines)
-                          if "reward_baselines" in needs else None),
+        reward_baselines=given("reward_baselines", exp.reward_baselines),
+        old_log_probs=given("old_log_probs", exp.old_log_probs),
+        sum_pi_squared=given("sum_pi_squared", exp.sum_pi_squared),
+        rollout_is_weights=given("rollout_is_weights", exp.rollout_is_weights),
     ))
     return exp._replace(advantages=adv, returns=returns)

@@ -72,9 +72,11 @@ def response_logits(model: Model, params, seqs: Sequences, temperature: float = 
 
 def response_terms(model: Model, params, seqs: Sequences, temperature: float = 1.0,
                    chunk_size: int | None = None, *, with_entropy: bool = True,
-                   entropy_grad: bool = False):
+                   entropy_grad: bool = False, with_sum_pi_squared: bool = False):
     """Log-probs of the targets and their entropy, `[B, W]` each (entropy None without
-    `with_entropy`; no gradient through it without `entropy_grad`).
+    `with_entropy`; no gradient through it without `entropy_grad`). With
+    `with_sum_pi_squared` a third `[B, W]`, `sum_v pi_v^2` of each target's distribution
+    (`core_algos.sum_pi_squared_from_logits`; the optimal token baseline's), no gradient.
 
     `chunk_size` (`lm_head_chunk_size`: tokens a device puts through the LM head at once,
     0 off, None automatic; `head.chunk_positions`) picks the chunked head, which never
@@ -82,17 +84,19 @@ def response_terms(model: Model, params, seqs: Sequences, temperature: float = 1
     they come from the full logits."""
     chunk = head.chunk_positions(chunk_size, model, seqs.targets.shape)
     if chunk:
-        logp, ent = head.model_token_terms(
+        out = head.model_token_terms(
             model, params, seqs.input_ids, seqs.positions, seqs.segment_ids, seqs.head_slice,
             seqs.targets, chunk=chunk, temperature=temperature, with_entropy=with_entropy,
-            entropy_grad=entropy_grad)
-        return logp, (ent if with_entropy else None)
+            entropy_grad=entropy_grad, with_sum_pi_squared=with_sum_pi_squared)
+        return (out[0], out[1] if with_entropy else None, *out[2:])
     logits = response_logits(model, params, seqs, temperature)
     logp = core_algos.logprobs_from_logits(logits, seqs.targets)
+    spi = ((jax.lax.stop_gradient(core_algos.sum_pi_squared_from_logits(logits)),)
+           if with_sum_pi_squared else ())
     if not with_entropy:
-        return logp, None
+        return logp, None, *spi
     ent_logits = logits if entropy_grad else jax.lax.stop_gradient(logits)
-    return logp, core_algos.entropy_from_logits(ent_logits)
+    return logp, core_algos.entropy_from_logits(ent_logits), *spi
 
 
 def response_values(model: Model, params, seqs: Sequences):
@@ -103,22 +107,28 @@ def response_values(model: Model, params, seqs: Sequences):
 
 
 def log_probs_step(params, seqs: Sequences, *, model: Model, temperature: float,
-                   with_entropy: bool = False, lm_head_chunk_size: int | None = None):
-    """Log-probs (and entropy) of the responses, micro-batched over the leading axis.
+                   with_entropy: bool = False, lm_head_chunk_size: int | None = None,
+                   with_sum_pi_squared: bool = False):
+    """Log-probs (and entropy, and sum_pi_squared) of the responses, micro-batched over the
+    leading axis.
 
     Args:
       seqs: arrays `[K, m, ...]`; K chunks run one after another (bounds activation memory).
       lm_head_chunk_size: the role's `lm_head_chunk_size` (`response_terms`).
+      with_sum_pi_squared: also `sum_v pi_v^2` per token (`response_terms`).
     Returns:
-      log_probs `[K, m, R]` (and entropy `[K, m, R]` if `with_entropy`).
+      log_probs `[K, m, R]`; a tuple `(log_probs, entropy, sum_pi_squared)` of those asked
+      for if `with_entropy` or `with_sum_pi_squared`, each `[K, m, R]`.
     """
 
     params = model.split_layers(params)  # once, not per chunk
 
     def one(chunk: Sequences):
-        logp, ent = response_terms(model, params, chunk, temperature, lm_head_chunk_size,
-                                   with_entropy=with_entropy, entropy_grad=True)
-        return (logp, ent) if with_entropy else logp
+        logp, ent, *spi = response_terms(
+            model, params, chunk, temperature, lm_head_chunk_size, with_entropy=with_entropy,
+            entropy_grad=True, with_sum_pi_squared=with_sum_pi_squared)
+        out = (logp, *((ent,) if with_entropy else ()), *spi)
+        return out if len(out) > 1 else logp
 
     return jax.lax.map(one, seqs)
 
@@ -158,14 +168,23 @@ def _packed_map(fn, packed, zeros):
 
 
 def packed_log_probs_step(params, packed, *, model: Model, temperature: float,
-                          lm_head_chunk_size: int | None = None):
-    """`log_probs_step` on packed rows: log-probs `[M, R]` in the group's slots."""
+                          lm_head_chunk_size: int | None = None,
+                          with_sum_pi_squared: bool = False):
+    """`log_probs_step` on packed rows: log-probs `[M, R]` in the group's slots (with
+    `with_sum_pi_squared`, the tuple `(log_probs, sum_pi_squared)`)."""
     params = model.split_layers(params)
     rows = packed.rows
-    zeros = jnp.zeros(rows.targets.shape[1:], jnp.float32)
-    fn = lambda chunk: response_terms(model, params, chunk, temperature, lm_head_chunk_size,
-                                      with_entropy=False)[0].astype(jnp.float32)
-    return gather_slots(_packed_map(fn, packed, zeros), packed.where)
+    n_out = 2 if with_sum_pi_squared else 1
+    zeros = (jnp.zeros(rows.targets.shape[1:], jnp.float32),) * n_out
+
+    def fn(chunk):
+        logp, _, *spi = response_terms(model, params, chunk, temperature, lm_head_chunk_size,
+                                       with_entropy=False,
+                                       with_sum_pi_squared=with_sum_pi_squared)
+        return tuple(x.astype(jnp.float32) for x in (logp, *spi))
+
+    out = tuple(gather_slots(x, packed.where) for x in _packed_map(fn, packed, zeros))
+    return out if with_sum_pi_squared else out[0]
 
 
 def packed_values_step(params, packed, *, model: Model):

@@ -40,7 +40,8 @@ def kl_in_reward(token_scores, old_log_probs, ref_log_probs, response_mask, kl_c
     jax.jit, static_argnames=("estimator", "gamma", "lam", "norm_adv_by_std_in_grpo")
 )
 def advantages(token_rewards, response_mask, *, estimator: str, values=None, index=None,
-               reward_baselines=None, gamma: float, lam: float,
+               reward_baselines=None, old_log_probs=None, sum_pi_squared=None,
+               rollout_is_weights=None, gamma: float, lam: float,
                norm_adv_by_std_in_grpo: bool = True):
     """The estimator registered as `algorithm.adv_estimator`: (advantages, returns), [N, R].
 
@@ -52,13 +53,17 @@ def advantages(token_rewards, response_mask, *, estimator: str, values=None, ind
       values: [N, R] critic values (gae).
       index: [N] int32 group (prompt) ids (grpo, rloo, reinforce_plus_plus_baseline).
       reward_baselines: [N] greedy-response scores, see `remax_reward_baselines` (remax).
+      old_log_probs, sum_pi_squared: [N, R] the old pass's (optimal_token_baseline).
+      rollout_is_weights: [N, R] rollout correction's IS weights, or None.
 
     Raises:
       ValueError: an unknown estimator, or a need left None.
     """
     return core_algos.get_adv_estimator(estimator)(
         token_rewards, response_mask, values=values, index=index,
-        reward_baselines=reward_baselines, gamma=gamma, lam=lam,
+        reward_baselines=reward_baselines, old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared, rollout_is_weights=rollout_is_weights,
+        gamma=gamma, lam=lam,
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
     )
 

@@ -31,20 +31,23 @@ def compile_steps(trainer, actor: ts.TrainState, critic: ts.TrainState | None) -
         in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0,
     ), off["actor"], "opt_state")
 
-    def policy_pass(step, chunk_size):  # the actor's / the reference's log-probs
+    def policy_pass(step, chunk_size, spi=False):  # the actor's / the reference's log-probs
         kw = {"with_entropy": False} if step is ts.log_probs_step else {}
         return offload.onloaded(jax.jit(
             functools.partial(step, model=trainer.actor_model, temperature=temperature,
-                              lm_head_chunk_size=chunk_size, **kw),
+                              lm_head_chunk_size=chunk_size, with_sum_pi_squared=spi, **kw),
             in_shardings=(state_sh.params, None)), off["ref"])
 
     actor_chunk, ref_chunk = arr.actor.lm_head_chunk_size, arr.ref.lm_head_chunk_size
+    # the old log-probs with sum_pi_squared when the estimator reads it (verl's
+    # actor.calculate_sum_pi_squared): a tuple `(log_probs, sum_pi_squared)`
+    spi = "sum_pi_squared" in trainer.estimator.needs
     for step, name in ((ts.log_probs_step, "log_probs"),
                        (ts.packed_log_probs_step, "packed_log_probs")):
-        fn = policy_pass(step, actor_chunk)  # old log-probs (and ref's, when the same)
+        fn = policy_pass(step, actor_chunk, spi)  # old log-probs (and ref's, when the same)
         setattr(trainer, name, fn)
         setattr(trainer, name.replace("log_probs", "ref_log_probs"),
-                fn if ref_chunk == actor_chunk else policy_pass(step, ref_chunk))
+                fn if ref_chunk == actor_chunk and not spi else policy_pass(step, ref_chunk))
     if critic is not None:
         c, alg = cfg.critic, cfg.algorithm
         critic_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, critic))
@@ -75,15 +78,17 @@ def pack_plan(trainer, role: str, group: int) -> packing.PackPlan | None:
 def forward(trainer, name: str, params, seqs: ts.Sequences, chunks):
     """One forward pass over a step's sequences, `name` old (log-probs), ref or values:
     `[N, R]`, padded (`chunks()`: the padded rows on the mesh) or packed by the pass's token
-    budget."""
+    budget. The old pass of an estimator that reads sum_pi_squared gives the tuple
+    `(log_probs, sum_pi_squared)`."""
     plan = pack_plan(trainer, name, seqs.input_ids.shape[0])
     if plan is None:
         fn = getattr(trainer, {"old": "log_probs", "ref": "ref_log_probs"}.get(name, name))
-        return batching.unchunk(fn(params, chunks())).block_until_ready()
+        return jax.block_until_ready(jax.tree.map(batching.unchunk, fn(params, chunks())))
     n = seqs.input_ids.shape[0]
     host, slots = packing.pack(plan, seqs, np.arange(n)[None])
     one = batching.put_packed(jax.tree.map(lambda x: x[0], host), trainer.layouts.mesh,
                               trainer.layouts.batch_axes, lead=0)
     fn = getattr(trainer, {"old": "packed_log_probs", "ref": "packed_ref_log_probs",
                            "values": "packed_values"}[name])
-    return packing.from_slots(batching.fetch(fn(params, one))[None], slots, n)
+    return jax.tree.map(lambda x: packing.from_slots(x[None], slots, n),
+                        batching.fetch(fn(params, one)))

@@ -264,8 +264,6 @@ def test_mesh_string_dict_and_sizes(tmp_path):
      + ", ".join(adv_estimator_names()) + ", got int 3"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=gspox",
      "actor_rollout_ref.actor.policy_loss.loss_mode: 'gspox' is not one of vanilla, "),
-    ("algorithm.adv_estimator=optimal_token_baseline",
-     "algorithm.adv_estimator: 'optimal_token_baseline' needs sum_pi_squared"),
     ("actor_rollout_ref.actor.policy_loss.mode=x",
      "did you mean 'actor_rollout_ref.actor.policy_loss.loss_mode'?"),
     ("actor_rollout_ref.actor.ppo_mini_batch_size=2048", "2048 prompts is more than"),

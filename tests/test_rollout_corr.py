@@ -697,3 +697,33 @@ def test_actor_loss_corrects_in_the_loss_in_bypass_mode_only():
     assert loss.rollout_correction == ca.RolloutCorrection.parse(
         **on, bypass_mode=True, loss_type="reinforce")
     hash(loss)  # static under jit
+
+
+FILTER = {"train/num_gen_batches", "training/filter_groups/evicted_samples",
+          "training/filter_groups/kept_groups",
+          "training/filter_groups/discarded_surplus_samples"}
+
+
+@pytest.mark.slow
+def test_grpo_with_correction_and_dynamic_sampling_logs_both(tmp_path):
+    """The issue's recipe in one run: `rollout_is: token`, a sequence-level `rollout_rs` and
+    DAPO's dynamic sampling on the addition task, two steps: every `rollout_corr/*` metric
+    and the filter metrics are logged each step (the learning curve against the plain run is
+    in the issue's closing note: too long for a test)."""
+    from test_dapo import _dapo_overrides
+    from tiny_run import tiny
+
+    from rlhf_jax.trainer import train
+
+    run = train(tiny(tmp_path, "grpo_tiny_cpu.yaml", **_dapo_overrides(tmp_path), **{
+        "actor_rollout_ref.rollout.top_p": 0.9, f"{RC}.rollout_is": "token",
+        f"{RC}.rollout_rs": "seq_mean_k1", f"{RC}.rollout_rs_threshold": "0.5_2.0"}))
+    want = {P + k for k in DIAGNOSTICS | IS_TOKEN | RS_SEQ_MEAN_K1}
+    assert len(run) == 2 and run[0]["training/filter_groups/evicted_samples"] > 0
+    for step in run:
+        assert {k for k in step if k.startswith(P)} == want
+        assert FILTER <= set(step) and step["train/num_gen_batches"] >= 1
+        assert all(np.isfinite(step[k]) for k in want | FILTER)
+        # nucleus 0.9: a token's log(pi_rollout / pi_old) = -log(nucleus mass) <= 0.105
+        assert step[P + "rollout_rs_seq_masked_fraction"] < 1
+        assert np.isfinite(step["actor/pg_loss"]) and step["actor/grad_norm"] > 0

@@ -165,8 +165,8 @@ def test_make_experience_reads_the_state_and_changes_nothing(tmp_path):
     assert "critic/values/mean" in metrics  # the critic's update filled the values
 
 
-# Those that need sum_pi_squared are refused by the config (tests/test_config.py); the
-# estimators beyond the first six (the trainer's paths they take are the same) run with -m slow.
+# Those that need sum_pi_squared run in tests/test_sum_pi_squared.py; the estimators beyond
+# the first six (the trainer's paths they take are the same) run with -m slow.
 _FIRST_SIX = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
               "remax")
 

@@ -241,6 +241,18 @@ def _check_dapo(cfg: Config) -> None:
               "KL penalty before filtering, which runs after it here; use seq_reward")
 
 
+def _check_sum_pi_squared(cfg) -> None:
+    """sum_pi_squared comes from the old-log-prob pass, for the estimators that read it."""
+    needs = "sum_pi_squared" in get_adv_estimator(cfg.algorithm.adv_estimator).needs
+    if cfg.actor_rollout_ref.actor.calculate_sum_pi_squared and not needs:
+        _fail(f"{_ARR}.actor.calculate_sum_pi_squared", "only the estimators that read it "
+              "(optimal_token_baseline, tir_optimal_token_baseline) use it here, and they "
+              "turn it on themselves (verl's variance_proxy/* metrics are not implemented)")
+    if needs and cfg.algorithm.rollout_correction.bypass_mode:
+        _fail("algorithm.rollout_correction.bypass_mode", f"{cfg.algorithm.adv_estimator!r} "
+              "needs sum_pi_squared from the old-log-prob pass, which bypass mode skips")
+
+
 def _check_rollout_correction(cfg: Config) -> None:
     """`algorithm.rollout_correction`: modes and thresholds parse (`RolloutCorrection`), and
     the bypass-mode settings fit the rollout and the policy loss."""
@@ -320,11 +332,7 @@ def validate(cfg: Config) -> None:
     elif _needs_values(cfg):
         _fail("critic.enable", f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a "
               "critic")
-    if "sum_pi_squared" in get_adv_estimator(cfg.algorithm.adv_estimator).needs:
-        _fail("algorithm.adv_estimator", f"{cfg.algorithm.adv_estimator!r} needs sum_pi_squared "
-              "(sum over the vocabulary of pi^2 per token, verl's "
-              "actor.calculate_sum_pi_squared), which no pass computes yet; the pure function "
-              "is core_algos.compute_optimal_token_baseline_advantage")
+    _check_sum_pi_squared(cfg)
     if not data.train_files:
         _fail("data.train_files", "must name at least one file")
     if data.val_files is None and (trainer.test_freq > 0 or trainer.val_before_train):

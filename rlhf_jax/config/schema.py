@@ -150,6 +150,10 @@ class ActorConfig(Section):
     # logits of a whole micro-batch (update and old log-probs); 0: off; null: on when those
     # logits would exceed 256 MiB a device, chunks of ~128 MiB. See rlhf_jax/models/head.py.
     lm_head_chunk_size: int | None = None
+    # sum_v pi_v^2 per token from the old-log-prob pass: computed whenever the estimator
+    # reads it (optimal_token_baseline, tir_optimal_token_baseline), true or false; true
+    # with another estimator is refused (verl also logs variance_proxy/*, not here)
+    calculate_sum_pi_squared: bool = False
     optim: OptimConfig = _factory(OptimConfig)
     policy_loss: ActorPolicyLossConfig = _factory(ActorPolicyLossConfig)
 

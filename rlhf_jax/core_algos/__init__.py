@@ -91,6 +91,7 @@ _EXPORTS = {
         "masked_sum",
         "masked_var",
         "masked_whiten",
+        "sum_pi_squared_from_logits",
     ),
     "rollout_corr": (
         "apply_rollout_correction",

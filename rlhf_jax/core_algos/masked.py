@@ -1,7 +1,8 @@
 """Masked reductions over response tokens and log-prob / entropy from logits.
 
 verl counterpart: `verl/utils/torch_functional.py` (`masked_mean`, `masked_var`,
-`masked_whiten`, `masked_sum`, `logprobs_from_logits`, `entropy_from_logits`).
+`masked_whiten`, `masked_sum`, `logprobs_from_logits`, `entropy_from_logits`,
+`calculate_sum_pi_squared_from_logits`).
 
 Shapes: `[batch, time]` over response tokens; `mask` is 1 for the tokens that count (response
 tokens up to and including EOS) and 0 for padding. A mask may be bool, int or float.
@@ -154,3 +155,24 @@ def entropy_from_logits(logits):
     z = jnp.asarray(logits).astype(_compute_dtype(logits))
     p = jax.nn.softmax(z, axis=-1)
     return jax.nn.logsumexp(z, axis=-1) - jnp.sum(p * z, axis=-1)
+
+
+def sum_pi_squared_from_logits(logits):
+    """`sum_v pi_v^2` of the softmax `pi` of each position's logits.
+
+    `exp(logsumexp(2 z) - 2 logsumexp(z))`, computed in at least float32 on `z - max(z)` (the
+    same value; without the shift, float32 loses digits once the logits are in the
+    hundreds): in (0, 1], 1 for a one-hot distribution and 1/V for the uniform one (the
+    optimal token baseline's `w_t = 1 - 2 pi_t + sum_v pi_v^2`).
+
+    Args:
+      logits: `[batch, time, vocab]`.
+
+    Returns:
+      `[batch, time]`.
+
+    verl: `verl_F.calculate_sum_pi_squared_from_logits`.
+    """
+    z = jnp.asarray(logits).astype(_compute_dtype(logits))
+    z = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    return jnp.exp(jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * jax.nn.logsumexp(z, axis=-1))

@@ -60,6 +60,8 @@ class HeadSpec:
     dtype: compute dtype of the head's matmul (the model's); logits are float32 after it.
     with_entropy: compute the entropy (else zeros come back).
     entropy_grad: the entropy gets a gradient (an entropy bonus); else it is stop_gradient.
+    with_sum_pi_squared: also `sum_v pi_v^2` of each position (no gradient through any
+      output then: the old-log-prob pass of the optimal token baseline).
     groups: how many batch shards keep their weight-gradient partial sums apart.
     mesh, rules: pin shardings by the logical-axis rules (None: leave them to XLA).
     """
@@ -70,6 +72,7 @@ class HeadSpec:
     dtype: Any = jnp.float32
     with_entropy: bool = True
     entropy_grad: bool = False
+    with_sum_pi_squared: bool = False
     groups: int = 1
     mesh: Any = None
     rules: tuple = ()
@@ -115,7 +118,8 @@ def _join(x_nbc, w: int):
 
 
 def _chunk_terms(h_bcd, y_bc, w, spec: HeadSpec):
-    """Log-probs, entropy and log-normaliser `[B, c]` of one chunk (float32)."""
+    """Log-probs, entropy and log-normaliser `[B, c]` of one chunk (float32), and
+    `sum_v pi_v^2` with `spec.with_sum_pi_squared`."""
     z = _logits(h_bcd, w, spec)
     top = jnp.max(z, axis=-1, keepdims=True)
     e = jnp.exp(z - top)
@@ -125,10 +129,14 @@ def _chunk_terms(h_bcd, y_bc, w, spec: HeadSpec):
     # stays local to each vocabulary shard (a gather along a sharded axis would not)
     hit = jnp.arange(z.shape[-1], dtype=jnp.int32) == y_bc[..., None]
     logp = jnp.sum(jnp.where(hit, z, 0.0), axis=-1) - lse
-    if not spec.with_entropy:
-        return logp, jnp.zeros_like(logp), lse
-    ent = lse - jnp.sum(e / total[..., None] * z, axis=-1)
-    return logp, ent, lse
+    if spec.with_entropy:
+        ent = lse - jnp.sum(e / total[..., None] * z, axis=-1)
+    else:
+        ent = jnp.zeros_like(logp)
+    if not spec.with_sum_pi_squared:
+        return logp, ent, lse
+    # sum_v (e_v / total)^2, e = exp(z - max z) in (0, 1]: no overflow, total >= 1
+    return logp, ent, lse, jnp.sum(jnp.square(e), axis=-1) / jnp.square(total)
 
 
 def _n_chunks(spec: HeadSpec, w: int) -> int:
@@ -208,10 +216,15 @@ def token_terms(h_bwd, w, targets_bw, spec: HeadSpec):
 
     Returns:
       `(log_probs, entropy)`, `[B, W]` float32 each; the entropy is zeros without
-      `spec.with_entropy`, and has no gradient without `spec.entropy_grad`.
+      `spec.with_entropy`, and has no gradient without `spec.entropy_grad`. With
+      `spec.with_sum_pi_squared`, `(log_probs, entropy, sum_pi_squared)`, none with a
+      gradient.
     """
     if h_bwd.shape[0] % spec.groups:
         raise ValueError(f"batch {h_bwd.shape[0]} is not a multiple of groups {spec.groups}")
+    if spec.with_sum_pi_squared:  # a pass without gradients: the plain forward scan
+        logp, ent, _, spi = _forward(h_bwd, w, targets_bw.astype(jnp.int32), spec)
+        return tuple(jax.lax.stop_gradient(x) for x in (logp, ent, spi))
     logp, ent = _token_terms(h_bwd, w, targets_bw.astype(jnp.int32), spec)
     return logp, (ent if spec.entropy_grad else jax.lax.stop_gradient(ent))
 
@@ -259,10 +272,11 @@ def chunk_positions(chunk_size: int | None, model, targets_shape) -> int:
 
 def model_token_terms(model, params, input_ids, positions, segment_ids, head_slice, targets,
                       *, chunk: int, temperature: float = 1.0, with_entropy: bool = True,
-                      entropy_grad: bool = False):
+                      entropy_grad: bool = False, with_sum_pi_squared: bool = False):
     """`token_terms` of a causal LM's forward pass (`Model.forward`'s layout arguments):
     log-probs and entropy `[B, W]` of `targets` at the `head_slice` positions, `chunk`
-    positions at a time (`chunk_positions`)."""
+    positions at a time (`chunk_positions`); and `sum_pi_squared` `[B, W]` with
+    `with_sum_pi_squared`."""
     from rlhf_jax.models.model import DTYPES
 
     h = model.hidden(params, input_ids, head_slice=head_slice, positions=positions,
@@ -271,6 +285,7 @@ def model_token_terms(model, params, input_ids, positions, segment_ids, head_sli
     spec = HeadSpec(
         chunk=chunk, temperature=float(temperature), layout=layout, dtype=DTYPES[model.dtype],
         with_entropy=with_entropy, entropy_grad=entropy_grad,
+        with_sum_pi_squared=with_sum_pi_squared,
         groups=_shards(model, ("batch",), (targets.shape[0],)),
         mesh=model.mesh, rules=tuple(model.rules) if model.mesh is not None else ())
     return token_terms(h, w, targets, spec)
