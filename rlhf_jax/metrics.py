@@ -42,7 +42,8 @@ def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
 
 
 def data_metrics(*, scores, token_rewards, advantages, returns, response_mask, prompt_mask,
-                 max_response_length: int, max_prompt_length: int, values=None):
+                 max_response_length: int, max_prompt_length: int, values=None,
+                 sampled_mask=None):
     """verl's `compute_data_metrics`: statistics over valid tokens and sequences.
 
     As verl's, the score and reward statistics leave out aborted responses (length 0) and
@@ -50,12 +51,14 @@ def data_metrics(*, scores, token_rewards, advantages, returns, response_mask, p
     always samples at least one token, so the ratio is 0 unless a custom path aborts).
 
     Args (numpy): scores [N]; token_rewards, advantages, returns, values, response_mask [N, R];
-      prompt_mask [N, P].
+      prompt_mask [N, P]; sampled_mask [N, R], the responses as sampled (before rollout
+      correction's rejection emptied some loss masks), which tells the aborted ones; None:
+      response_mask.
     """
     mask = response_mask.astype(bool)
     resp_len = response_mask.sum(-1)
     prompt_len = prompt_mask.sum(-1)
-    kept = resp_len > 0
+    kept = (resp_len if sampled_mask is None else np.asarray(sampled_mask).sum(-1)) > 0
     out = {}
     out.update(_stats("critic/score", np.asarray(scores)[kept]))
     out.update(_stats("critic/rewards", (token_rewards * response_mask).sum(-1)[kept]))

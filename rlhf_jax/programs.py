@@ -41,7 +41,8 @@ def compile_steps(trainer, actor: ts.TrainState, critic: ts.TrainState | None) -
     actor_chunk, ref_chunk = arr.actor.lm_head_chunk_size, arr.ref.lm_head_chunk_size
     # the old log-probs with sum_pi_squared when the estimator reads it (verl's
     # actor.calculate_sum_pi_squared): a tuple `(log_probs, sum_pi_squared)`
-    spi = "sum_pi_squared" in trainer.estimator.needs
+    spi = ("sum_pi_squared" in trainer.estimator.needs
+           or trainer.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
     for step, name in ((ts.log_probs_step, "log_probs"),
                        (ts.packed_log_probs_step, "packed_log_probs")):
         fn = policy_pass(step, actor_chunk, spi)  # old log-probs (and ref's, when the same)

@@ -389,7 +389,7 @@ class Trainer:
             advantages=exp.advantages, returns=exp.returns,
             values=None if exp.values is None else batching.fetch(exp.values),
             response_mask=exp.response_mask, prompt_mask=exp.prompt_mask,
-            max_response_length=cfg.data.max_response_length,
+            sampled_mask=exp.sampled_mask, max_response_length=cfg.data.max_response_length,
             max_prompt_length=cfg.data.max_prompt_length,
         ))
         times = dict(exp.times)

@@ -21,7 +21,7 @@ def _finite(out: dict, prefix: str):
             assert math.isfinite(v), k
 
 
-@pytest.mark.parametrize("values_in_update", [True, False])
+@pytest.mark.parametrize("values_in_update", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_ppo_small(values_in_update):
     out = ppo.run(small=True, values_in_update=values_in_update)
     _finite(out, "ppo.")

@@ -39,7 +39,8 @@ RECIPES = ("grpo_gsm8k_qwen3_0_6b.yaml", "ppo_gsm8k_llama3_2_1b.yaml",
            "grpo_gsm8k_mistral_7b.yaml", "ppo_gsm8k_qwen2_5_0_5b.yaml")
 
 
-@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("name", [  # one family by default; the others: -m slow
+    n if n == "qwen3" else pytest.param(n, marks=pytest.mark.slow) for n in TINY])
 def test_two_training_steps_from_a_tiny_checkpoint(name, tmp_path):
     model_type, fields, recipe = TINY[name]
     path = make_hf_checkpoint(tmp_path / "model", model_type, {**SMALL, **fields})

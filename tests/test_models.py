@@ -152,7 +152,7 @@ def test_head_slice_is_the_full_output_sliced(hf_dirs, arch):
         np.testing.assert_allclose(part, full[:, cut], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "value"])
+@pytest.mark.parametrize("arch", ["qwen2", pytest.param("value", marks=pytest.mark.slow)])
 def test_head_slice_trims_the_last_layer(hf_dirs, arch):
     """Unrolled, the last layer runs queries, attention output and MLP on the sliced positions
     only: on one device the compiled gradient has fewer FLOPs than slicing the full output,

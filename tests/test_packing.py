@@ -170,7 +170,7 @@ def _assert_same_metrics(a, b):
 
 
 # token-sum and seq-mean-token-sum (the plain sums of their -mean twins) run with -m slow.
-SLOW_MODES = ("token-sum", "seq-mean-token-sum")
+SLOW_MODES = ("token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @pytest.mark.parametrize("mode", [

@@ -166,8 +166,9 @@ def test_make_experience_reads_the_state_and_changes_nothing(tmp_path):
 
 
 # Those that need sum_pi_squared run in tests/test_sum_pi_squared.py; the estimators beyond
-# the first six (the trainer's paths they take are the same) run with -m slow.
-_FIRST_SIX = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+# the first six (the trainer's paths they take are the same) run with -m slow, and so does
+# gae, which the default set trains in test_trainer.py and test_packing.py.
+_FIRST_SIX = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
               "remax")
 
 

@@ -72,7 +72,9 @@ def _run_actor(mesh_name, micro, mode="token-mean", kind="actor", **model_kw):
     return jax.device_get(state.params), jax.device_get(metrics), state
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean"] + [  # the others: -m slow
+    pytest.param(m, marks=pytest.mark.slow)
+    for m in ("seq-mean-token-mean", "seq-mean-token-sum-norm")])
 def test_micro_batch_2_equals_8(mode):
     p2, m2, _ = _run_actor("single", 2, mode)
     p8, m8, _ = _run_actor("single", 8, mode)
