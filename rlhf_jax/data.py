@@ -307,3 +307,26 @@ class PromptLoader:
             raise DataError(f"data loader state has an invalid position epoch={epoch} "
                             f"step={step}")
         self._epoch, self._step = epoch, step
+
+
+def make_loaders(cfg, tokenizer) -> tuple[PromptLoader, PromptLoader | None]:
+    """The run's train loader and its validation loader (None without `data.val_files`):
+    each process reads its shard of every batch and the hosts' shards are joined, so every
+    process holds the global batch (`distributed.gathered`)."""
+    import jax
+
+    from rlhf_jax import distributed
+
+    d = cfg.data
+    ds_kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                 truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts)
+    shard = dict(shard_index=jax.process_index(), shard_count=jax.process_count())
+    train = distributed.gathered(PromptLoader(
+        PromptDataset(list(d.train_files), tokenizer, **ds_kw), d.train_batch_size,
+        shuffle=d.shuffle, seed=d.seed, **shard))
+    val = None
+    if d.val_files:
+        rows = PromptDataset(list(d.val_files), tokenizer, **ds_kw)
+        val = distributed.gathered(PromptLoader(
+            rows, d.val_batch_size or len(rows), shuffle=False, drop_remainder=False, **shard))
+    return train, val

@@ -42,7 +42,7 @@ from rlhf_jax import validation as val_metrics
 from rlhf_jax.checkpoint import Checkpointer
 from rlhf_jax.config import to_dict, to_yaml, validate_batch_arithmetic
 from rlhf_jax.core_algos import get_adv_estimator, get_kl_controller
-from rlhf_jax.data import PromptDataset, PromptLoader
+from rlhf_jax.data import make_loaders
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.experience import Experience, experience_stages
 from rlhf_jax.hooks import StepInfo, trainer_hooks
@@ -158,20 +158,7 @@ class Trainer:
             distributed.barrier(f"rlhf_jax-synthetic-{turn}")
 
     def _build_data(self):
-        d = self.cfg.data
-        ds_kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                     truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts)
-        shard = dict(shard_index=jax.process_index(), shard_count=jax.process_count())
-        self.train_loader = PromptLoader(
-            PromptDataset(list(d.train_files), self.tokenizer, **ds_kw), d.train_batch_size,
-            shuffle=d.shuffle, seed=d.seed, **shard,
-        )
-        self.train_loader = distributed.gathered(self.train_loader)  # hosts' shards joined
-        self.val_loader = None
-        if d.val_files:
-            val = PromptDataset(list(d.val_files), self.tokenizer, **ds_kw)
-            self.val_loader = distributed.gathered(PromptLoader(
-                val, d.val_batch_size or len(val), shuffle=False, drop_remainder=False, **shard))
+        self.train_loader, self.val_loader = make_loaders(self.cfg, self.tokenizer)
         t = self.cfg.trainer
         per_epoch = self.train_loader.steps_per_epoch
         self.total_steps = t.total_training_steps or t.total_epochs * per_epoch
@@ -213,11 +200,8 @@ class Trainer:
             self.engine, self.gen_params, ro.gpu_memory_utilization)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
-        self._compile_steps(actor, critic)
-        return RunState(actor, critic, ref, self.kl_ctrl.init())
-
-    def _compile_steps(self, actor, critic):
         programs.compile_steps(self, actor, critic)
+        return RunState(actor, critic, ref, self.kl_ctrl.init())
 
     # ---------------------------------------------------------------- experience stages
 
