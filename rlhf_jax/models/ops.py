@@ -1,6 +1,6 @@
 """Array functions of the decoder, each shaped for XLA: the projections' product with a
-hand-written backward, the rotary table and rotation, the gated SiLU, and the sliding-window
-mask.
+hand-written backward, the rotary table and rotation, the gated SiLU, the sliding-window
+mask, and the full-sequence attention in query blocks.
 
 Pure `jax.numpy`; `rlhf_jax.models.transformer` builds its modules on them. Shapes use the
 dimension letters of that module (B, T, H, ...).
@@ -135,3 +135,60 @@ def sliding_window_mask(query_index_bt, s: int, window: int):
     padding, packed segments and the engine's cache keep every sequence contiguous), so the
     distance is the same, and the causal / segment mask removes everything else."""
     return jnp.arange(s)[None, None, :] > query_index_bt[:, :, None] - window
+
+
+# Scores of one query block at most this many bytes (float32 [B, K, G, T', S]): above it the
+# full-sequence attention runs in query blocks (`attention`). At 4 rows x 2,049 tokens x 14
+# heads the whole [B, K, G, T, S] array is ~0.9 GB per buffer, and the update keeps several
+# (scores, probabilities, their gradients) per layer; 128 MiB blocks cut the actor update's
+# temporaries of `bench.py chunked_head` from 7.7 to 2.2 GB (below that the head and the
+# MLP's activations are the floor).
+ATTENTION_BLOCK_BYTES = 128 * 2**20
+NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def attention_block(shape_bkgts: tuple[int, ...],
+                    budget: int | None = None) -> int | None:
+    """Queries per block so that one block's float32 scores fit `budget` bytes (default
+    `ATTENTION_BLOCK_BYTES`), or None when all T queries fit in one block."""
+    b, k, g, t, s = shape_bkgts
+    per_query = b * k * g * s * 4
+    budget = ATTENTION_BLOCK_BYTES if budget is None else budget
+    if t * per_query <= budget:
+        return None
+    return max(1, min(t, budget // per_query))
+
+
+def attention(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, dtype,
+              block: int | None = None):
+    """Masked softmax attention, `softmax(q k^T * scale) v` over the keys `mask_bts` allows:
+    [B, K, G, T, H] from queries [B, K, G, T, H] and keys / values [B, K, S, H].
+
+    Scores and softmax are float32. With `block` (queries per block; `attention_block`
+    picks it from the scores' size) the queries run in blocks under `lax.map`, each
+    block rematerialised in the backward pass, so no [B, K, G, T, S] array exists, forward
+    or backward; each row's softmax is the same computation as in one block, so the output
+    equals the unblocked one (the keys' and values' gradients are summed over blocks, in
+    another order). A tail of T mod block queries runs as one more block.
+    """
+    k_bksh, v_bksh = k_bksh.astype(dtype), v_bksh.astype(dtype)
+
+    def one(q, m):
+        scores = jnp.einsum("BKGTH,BKSH->BKGTS", q, k_bksh,
+                            preferred_element_type=jnp.float32) * scale
+        probs = jax.nn.softmax(jnp.where(m[:, None, None], scores, NEG_INF), axis=-1)
+        return jnp.einsum("BKGTS,BKSH->BKGTH", probs.astype(dtype), v_bksh)
+
+    t = q_bkgth.shape[3]
+    if block is None or block >= t:
+        return one(q_bkgth, mask_bts)
+    n = t // block
+    head, tail = n * block, t - n * block
+    b, k, g, _, h = q_bkgth.shape
+    qs = jnp.moveaxis(q_bkgth[:, :, :, :head].reshape(b, k, g, n, block, h), 3, 0)
+    ms = jnp.moveaxis(mask_bts[:, :head].reshape(b, n, block, -1), 1, 0)
+    out = jax.lax.map(lambda qm: jax.checkpoint(one)(*qm), (qs, ms))
+    out = jnp.moveaxis(out, 0, 3).reshape(b, k, g, head, h)
+    if tail:
+        out = jnp.concatenate([out, one(q_bkgth[:, :, :, head:], mask_bts[:, head:])], axis=3)
+    return out

@@ -19,6 +19,9 @@ import jax.numpy as jnp
 from rlhf_jax.mesh import constrain
 from rlhf_jax.models.config import ModelConfig
 from rlhf_jax.models.ops import (
+    NEG_INF,
+    attention,
+    attention_block,
     dense_dot_general,
     gated_silu,
     rope,
@@ -26,8 +29,6 @@ from rlhf_jax.models.ops import (
     sliding_window_mask,
 )
 from rlhf_jax.models.rope import rope_frequencies
-
-_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 class KVCache(NamedTuple):
@@ -231,18 +232,16 @@ class Attention(nn.Module):
             q_bkgh = q_bkgth[:, :, :, 0]
             scores = jnp.sum(q_bkgh[:, :, :, None].astype(jnp.float32)
                              * k_bksh[:, :, None].astype(jnp.float32), axis=-1)[:, :, :, None]
-        else:
-            scores = jnp.einsum("BKGTH,BKSH->BKGTS", q_bkgth, k_bksh.astype(self.dtype),
-                                preferred_element_type=jnp.float32)
-        scores = scores * (h**-0.5)
-        scores = jnp.where(q_mask_bts[:, None, None], scores, _NEG)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        if decode:
+            scores = jnp.where(q_mask_bts[:, None, None], scores * (h**-0.5), NEG_INF)
+            probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
             out_bkgh = jnp.sum(probs[:, :, :, 0, :, None].astype(jnp.float32)
                                * v_bksh[:, :, None].astype(jnp.float32), axis=3)
             out_bkgth = out_bkgh[:, :, :, None].astype(self.dtype)
-        else:
-            out_bkgth = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v_bksh.astype(self.dtype))
+        else:  # the full sequence (train, log-probs) in query blocks when its scores are big
+            block = None if cache is not None else attention_block(
+                (b, k, n // k, t, k_bksh.shape[2]))
+            out_bkgth = attention(q_bkgth, k_bksh, v_bksh, q_mask_bts, h**-0.5, self.dtype,
+                                  block)
         out_btnh = out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
         out_btd = nn.DenseGeneral(
             cfg.hidden_size, axis=(-2, -1), use_bias=cfg.o_proj_bias, dtype=self.dtype,
