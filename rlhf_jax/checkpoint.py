@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import shutil
 import signal
@@ -54,9 +55,15 @@ def _no_replica_slices() -> None:
     handler = ocp.type_handlers.get_type_handler(jax.Array)
     if getattr(handler, "_use_replica_parallel", False) and type(handler) is \
             ocp.type_handlers.ArrayHandler:
-        ocp.type_handlers.register_type_handler(
-            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
-            override=True)
+        absl = logging.getLogger("absl")  # orbax warns of every override
+        level = absl.level
+        absl.setLevel(logging.ERROR)
+        try:
+            ocp.type_handlers.register_type_handler(
+                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
+                override=True)
+        finally:
+            absl.setLevel(level)
 
 
 class CheckpointError(UserError):
