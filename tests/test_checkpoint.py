@@ -113,6 +113,41 @@ def test_save_copies_off_device_so_donation_is_safe(tmp_path):
     assert_same(restored, expected)
 
 
+def test_save_compiles_no_slices_and_reads_replica_parallel_saves(tmp_path):
+    """One process writes replicated shards whole: no eager `slice` program per array (a
+    shape no other test saves, so nothing is in jit's cache); a checkpoint written with
+    orbax's replica-parallel default (earlier versions) restores the same."""
+    import orbax.checkpoint as ocp
+
+    from rlhf_jax.compile_cache import CompileLog
+
+    m = mesh((2, 2, 2))
+    rng = np.random.default_rng(7)
+    state = {"w": rng.normal(size=(24, 40)).astype(np.float32),
+             "v": rng.normal(size=(40, 24)).astype(np.float32), "s": np.float32(3.0)}
+    state = jax.device_put(state, shardings_for(state, m))
+    with CompileLog() as log, Checkpointer(tmp_path / "new") as ck:
+        ck.save(1, state, meta(1))
+    assert "slice" not in log.per_program(), log.per_program()
+    default = ocp.type_handlers.get_type_handler(jax.Array)
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=True), override=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ck = ocp.CheckpointManager(tmp_path / "old", item_names=("state", "meta"))
+            ck.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               meta=ocp.args.JsonSave(meta(1))))
+            ck.wait_until_finished()
+            ck.close()
+    finally:
+        ocp.type_handlers.register_type_handler(jax.Array, default, override=True)
+    with Checkpointer(tmp_path / "old") as ck:
+        _, restored, _ = ck.restore(1, target_state=abstract(state),
+                                    shardings=shardings_for(state, m))
+    assert_same(restored, state)
+
+
 def test_latest_good_skips_bad_checkpoint_and_force_replaces_it(tmp_path):
     m = mesh((2, 2, 2))
     state = make_state(m)

@@ -101,6 +101,24 @@ def test_first_argmax_and_draws_match_jax():
     np.testing.assert_array_equal(got, jax.vmap(jax.random.categorical)(keys[3:], logits))
 
 
+def test_greedy_as_an_argument_matches_the_static_choice():
+    """One program for both: `greedy` traced gives the tokens and log-probs of the static
+    greedy and sampled rules, bit for bit (a filtered rule; the default one is the engine
+    tests' and every run's)."""
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.8)
+    logits = jax.random.normal(jax.random.key(2), (32, 40)) * 2
+    keys = request_keys(jax.random.key(4), jnp.arange(32), jnp.zeros(32, jnp.int32))
+    dynamic = jax.jit(lambda lg, k, g: sample_tokens(lg, k, params.program(), g))
+    for greedy in (False, True):
+        rule = SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                              top_p=params.top_p, do_sample=not greedy)
+        want = jax.jit(lambda lg, k, rule=rule: sample_tokens(lg, k, rule))(logits, keys)
+        got = dynamic(logits, keys, jnp.bool_(greedy))
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert SamplingParams(do_sample=False, temperature=0.0).program() == SamplingParams()
+
+
 def test_request_keys_depend_on_request_and_position_only():
     rng = jax.random.key(0)
     a = jax.random.key_data(request_keys(rng, jnp.array([5, 6]), jnp.array([0, 0])))
@@ -188,6 +206,29 @@ def test_prefill_insert_generate_follow_the_full_forward(setup):
     assert state.tokens.sharding.spec == P(("data", "fsdp"))
     kernel = params["model"]["layers"]["mlp"]["gate_proj"]["kernel"]
     assert kernel.sharding.spec == P(None, None, "tensor")
+
+
+def test_greedy_and_sampled_rollouts_share_their_programs(setup):
+    """A greedy validation and a sampled rollout of one rule compile one prefill and one
+    generate program (greedy is an argument), and each gets its own tokens."""
+    model, shared, params = setup
+    engine = Engine(model, shared.mesh, shared.rules, max_concurrent_decodes=4,
+                    max_prefill_length=8, max_decode_length=6, compiler_options=FAST_COMPILE)
+    tokens = np.array([[5, 9, 2, 0, 0, 0, 0], [7, 1, 1, 3, 30, 12, 4]], np.int32)
+    out = {}
+    for greedy in (True, False):
+        rule = SamplingParams(do_sample=not greedy, temperature=0.0 if greedy else 1.0)
+        prefix, first = engine.prefill(params=params, padded_tokens=tokens,
+                                       true_length=[3, 7], sampler=rule, rng=jax.random.key(9))
+        state = engine.bulk_insert(prefix, engine.init_decode_state(jax.random.key(9)),
+                                   [0, 1], rows=[0, 1])
+        state, more = engine.generate_steps(params, state, 3, rule)
+        out[greedy] = np.concatenate([np.asarray(first.tokens)[:, 0:1],
+                                      np.asarray(more.tokens)[:2]], axis=1)
+    assert sorted(k[0] for k in engine.trace_counts) == ["generate", "init", "insert",
+                                                         "prefill"], engine.trace_counts
+    assert set(engine.trace_counts.values()) == {1}
+    assert not np.array_equal(out[True], out[False])  # the sampled draw ran
 
 
 def _decode_inputs(model, seed: int):

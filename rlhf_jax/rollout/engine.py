@@ -88,8 +88,9 @@ class Engine(EnginePrograms):
         self.prefill_buckets = tuple(buckets)
         self.default_sampling = self.resolve_sampling(sampling or SamplingParams())
         self.param_shardings = model.shardings(mesh, rules)
-        # Traces per jitted function, keyed like `_jits`: ("prefill", b, T, T0, m, sampler),
-        # ("insert", b, T, m), ("generate", steps, sampler), ("init", key shape).
+        # Traces per jitted function, keyed like `_jits`: ("prefill", b, T, T0, m, rule),
+        # ("insert", b, T, m), ("generate", steps, rule), ("init", key shape); rule: the
+        # sampler's `program()` (greedy or not is an argument).
         self.trace_counts: collections.Counter[tuple] = collections.Counter()
         self._jits: dict[tuple, Any] = {}
         # Programs a `precompile` (maybe in another thread) is compiling: key -> (done, thread).
@@ -316,13 +317,15 @@ class Engine(EnginePrograms):
         rids = np.arange(b, dtype=np.int32) if request_id is None else np.broadcast_to(
             np.asarray(request_id, np.int32), (b,)).copy()
         rng_data = key_data(0 if rng is None else rng)
-        key = ("prefill", b, bucket, t0, num_samples, sampler)
-        build = lambda: self._build_prefill(key, b, bucket, t0, num_samples, sampler)
+        rule = sampler.program()  # greedy or not: an argument (`SamplingParams.program`)
+        key = ("prefill", b, bucket, t0, num_samples, rule)
+        build = lambda: self._build_prefill(key, b, bucket, t0, num_samples, rule)
         row = self._sharding(("cache_batch",), (b,))
-        tokens, lengths, rids, rng_data = jax.device_put(  # explicit: no implicit transfers
-            (tokens, lengths, rids, rng_data),
-            (self._sharding(("cache_batch", None), tokens.shape), row, row, self._replicated))
-        return key, build, (params, existing_prefix, tokens, lengths, rids, rng_data)
+        tokens, lengths, rids, rng_data, greedy = jax.device_put(  # no implicit transfers
+            (tokens, lengths, rids, rng_data, np.bool_(sampler.greedy)),
+            (self._sharding(("cache_batch", None), tokens.shape), row, row, self._replicated,
+             self._replicated))
+        return key, build, (params, existing_prefix, tokens, lengths, rids, rng_data, greedy)
 
     # ----------------------------------------------------------------------------- insert
 
@@ -401,10 +404,12 @@ class Engine(EnginePrograms):
     def _generate_call(self, params, decode_state, num_steps, sampler, stop_when_done):
         """`(key, build, args)` of `generate_steps(...)`."""
         sampler = self.resolve_sampling(sampler)
-        key = ("generate", num_steps, sampler)
+        rule = sampler.program()
+        key = ("generate", num_steps, rule)
         stop = self._slots if stop_when_done is None else stop_when_done
-        return key, lambda: self._build_generate(key, num_steps, sampler), (
-            params, decode_state, jax.device_put(np.int32(stop), self._replicated))
+        return key, lambda: self._build_generate(key, num_steps, rule), (
+            params, decode_state, *jax.device_put((np.int32(stop), np.bool_(sampler.greedy)),
+                                                  self._replicated))
 
     # ----------------------------------------------------------- ahead-of-time compiling
 

@@ -40,7 +40,7 @@ class EnginePrograms:
             )
 
     def _build_prefill(self, key, b: int, t: int, t0: int, m: int, sampler: SamplingParams):
-        def prefill(params, existing, tokens_bt, lengths_b, rids_b, rng_data):
+        def prefill(params, existing, tokens_bt, lengths_b, rids_b, rng_data, greedy):
             self._traced(key)
             zeros = self.model.init_cache(b, t)
             if existing is None:
@@ -56,7 +56,8 @@ class EnginePrograms:
             rids_bm = rids_b[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
             keys = request_keys(jax.random.wrap_key_data(rng_data), rids_bm.reshape(-1),
                                 jnp.zeros((b * m,), jnp.int32))
-            tok, lp, raw = sample_tokens(jnp.repeat(logits_bv, m, axis=0), keys, sampler)
+            tok, lp, raw = sample_tokens(jnp.repeat(logits_bv, m, axis=0), keys, sampler,
+                                         greedy)
             done = is_eos(tok, sampler.eos_ids) | (sampler.max_response_length <= 1)
             prefix = Prefix(cache, start_b + lengths_b, rids_b, *(
                 x.reshape(b, m) for x in (tok, lp, raw, done)))
@@ -72,7 +73,7 @@ class EnginePrograms:
         return jax.jit(
             prefill,
             in_shardings=(self.param_shardings, prev,
-                          self._sharding(("cache_batch", None), (b, t)), row, row, rep),
+                          self._sharding(("cache_batch", None), (b, t)), row, row, rep, rep),
             out_shardings=(self._prefix_shardings(b, t0 + t, m),
                            res.replace(samples_per_slot=m)),
             **self._jit_kw,
@@ -114,7 +115,7 @@ class EnginePrograms:
                                              rep),
                        out_shardings=st, donate_argnums=0, **self._jit_kw)
 
-    def _step(self, params, state: DecodeState, sampler: SamplingParams):
+    def _step(self, params, state: DecodeState, sampler: SamplingParams, greedy=None):
         """One token for every slot: (new state, tokens [S], valid [S], lp [S], raw [S])."""
         s = self._slots
         active_s = ~state.done
@@ -124,7 +125,7 @@ class EnginePrograms:
                                             mask_sts, state.cache, wi_s, jnp.zeros((s,), jnp.int32))
         keys = request_keys(jax.random.wrap_key_data(state.rng), state.request_id,
                             state.generated)
-        tok_s, lp_s, raw_s = sample_tokens(logits_sv, keys, sampler)
+        tok_s, lp_s, raw_s = sample_tokens(logits_sv, keys, sampler, greedy)
         col_sr = (jnp.arange(self.max_decode_length)[None] == state.generated[:, None])
         col_sr &= active_s[:, None]
         generated_s = state.generated + active_s
@@ -144,7 +145,7 @@ class EnginePrograms:
     def _build_generate(self, key, k: int, sampler: SamplingParams):
         s = self._slots
 
-        def generate(params, state: DecodeState, stop_when_done):
+        def generate(params, state: DecodeState, stop_when_done, greedy):
             self._traced(key)
             zi, zf = jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
             bufs = (zi, jnp.zeros((s, k), bool), zf, zf)
@@ -160,7 +161,7 @@ class EnginePrograms:
 
             def body(carry):
                 i, st, bufs = carry
-                st, outs = self._step(step_params, st, sampler)
+                st, outs = self._step(step_params, st, sampler, greedy)
                 bufs = tuple(jax.lax.dynamic_update_slice(b_, o[:, None], (0, i))
                              for b_, o in zip(bufs, outs, strict=True))
                 return i + 1, st, bufs
@@ -176,6 +177,6 @@ class EnginePrograms:
 
         st = self.decode_state_shardings()
         rep = NamedSharding(self._mesh, P())
-        return jax.jit(generate, in_shardings=(self.param_shardings, st, rep),
+        return jax.jit(generate, in_shardings=(self.param_shardings, st, rep, rep),
                        out_shardings=(st, self._result_shardings(s, k)), donate_argnums=1,
                        **self._jit_kw)

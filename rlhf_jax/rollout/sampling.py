@@ -64,6 +64,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0.0
 
+    def program(self) -> SamplingParams:
+        """The rule a compiled rollout program is built for: greedy or not is left to a run
+        time argument (`sample_tokens(greedy=...)`), so a greedy validation and a sampled
+        rollout at the same effective temperature (0 reads as 1, as `filter_logits` does),
+        top-k and top-p share their prefill and generate programs."""
+        return dataclasses.replace(self, do_sample=True,
+                                   temperature=self.temperature or 1.0)
+
 
 def filter_logits(logits_bv, *, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0):
     """The logits of the sampling distribution: tempered, then top-k, then top-p filtered.
@@ -110,13 +118,17 @@ def first_argmax(x_bv):
     return jnp.min(jnp.where(hit_bv, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
 
 
-def sample_tokens(logits_bv, keys_b, params: SamplingParams):
+def sample_tokens(logits_bv, keys_b, params: SamplingParams, greedy=None):
     """Draws one token per row.
 
     Args:
       logits_bv: [B, V] raw logits of the next position.
       keys_b: [B] PRNG keys (see `request_keys`); unused when greedy.
       params: the sampling rule.
+      greedy: None: greedy as `params` says; else a traced bool scalar that decides it at
+        run time (one program for a sampled and a greedy rollout of the same rule, see
+        `SamplingParams.program`): a `lax.cond`, so the draw runs only when sampling and
+        the tokens are those of the static choice, bit for bit.
 
     Returns:
       (tokens [B] int32, log_probs [B] float32 under the sampling distribution (tempered and
@@ -125,12 +137,17 @@ def sample_tokens(logits_bv, keys_b, params: SamplingParams):
     filtered_bv = filter_logits(
         logits_bv, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p
     )
-    if params.greedy:
+    def draw(x_bv):  # jax.random.categorical's Gumbel-max draw: same tokens for same keys
+        v = x_bv.shape[-1]
+        return first_argmax(x_bv + jax.vmap(lambda k: jax.random.gumbel(k, (v,), x_bv.dtype))(
+            keys_b))
+
+    if greedy is not None:
+        tokens_b = jax.lax.cond(greedy, first_argmax, draw, filtered_bv)
+    elif params.greedy:
         tokens_b = first_argmax(filtered_bv)
-    else:  # jax.random.categorical's Gumbel-max draw, the same tokens for the same keys
-        v = filtered_bv.shape[-1]
-        gumbel_bv = jax.vmap(lambda k: jax.random.gumbel(k, (v,), filtered_bv.dtype))(keys_b)
-        tokens_b = first_argmax(filtered_bv + gumbel_bv)
+    else:
+        tokens_b = draw(filtered_bv)
     tokens_b = tokens_b.astype(jnp.int32)
     log_probs_b = gather_log_softmax(filtered_bv, tokens_b)
     raw_log_probs_b = gather_log_softmax(logits_bv.astype(jnp.float32), tokens_b)
