@@ -141,6 +141,9 @@ class BaseRef:
     @classmethod
     def from_meta(cls, meta: dict) -> BaseRef:
         """The checkpoint's base, after checking its directory still holds those weights."""
+        if not meta:
+            raise CheckpointError("the checkpoint names no LoRA base (it predates LoRA runs "
+                                  "or is damaged)")
         ref = cls(meta["path"], meta["fingerprint"])
         if not any(Path(ref.path).glob("*.safetensors")):
             raise CheckpointError(f"the checkpoint's LoRA base {ref.path} has no weights "
@@ -173,10 +176,10 @@ class Bases:
     and a restored role's base swapped for the checkpoint's when that is another one
     (a run that warm-started its base resumes on the base it saved)."""
 
-    def __init__(self, models: dict[str, Model], paths: dict[str, str | Path], mesh, rules):
+    def __init__(self, models: dict[str, Model], paths: dict[str, str | Path], layouts):
         self.models = {r: m for r, m in models.items() if m is not None and m.cfg.lora}
         self.refs = {r: BaseRef.of(paths[r]) for r in self.models}
-        self.mesh, self.rules = mesh, rules
+        self.mesh, self.rules = layouts.mesh, layouts.spec.train_rules
 
     def set(self, role: str, path: str | Path) -> None:
         if role in self.models:

@@ -54,6 +54,28 @@ def load_or_init(model: Model, path: str | Path | None, layouts: Layouts, rng) -
     return model.init(rng, layouts.mesh, rules)
 
 
+def train_state(model: Model, params, optim) -> tuple[Any, Any]:
+    """A role's fresh `TrainState` (AdamW on `optim`, a `train_steps.OptimConfig`) and what
+    its update trains (`lora.trainable`: everything, or the adapters on a frozen base)."""
+    from rlhf_jax import train_steps as ts
+
+    trainable = lora.trainable(model)
+    return ts.init_state(params, ts.make_optimizer(optim), trainable), trainable
+
+
+def engine(cfg, model: Model, layouts: Layouts, gen_params):
+    """The rollout engine of the actor `model` in the generate layout, with as many slots
+    as its memory budget allows (`rollout.memory.budgeted`): `(engine, budget)`."""
+    from rlhf_jax.rollout import Engine, memory
+
+    ro, d, rules = cfg.actor_rollout_ref.rollout, cfg.data, layouts.spec.generate_rules
+    eng = Engine(model.with_layout(layouts.mesh, rules), layouts.mesh, rules,
+                 max_concurrent_decodes=ro.max_concurrent_decodes,
+                 max_prefill_length=d.max_prompt_length, max_decode_length=d.max_response_length,
+                 prefill_buckets=ro.prefill_buckets)
+    return memory.budgeted(eng, gen_params, ro.gpu_memory_utilization)
+
+
 def ensure_model_weights(path: str | Path, hf_config: dict, seed: int) -> None:
     """Writes a random-init HF checkpoint at `path` unless one is there (synthetic tasks)."""
     path = Path(path)

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlhf_jax import (
@@ -52,7 +53,7 @@ from rlhf_jax.progress import Progress
 from rlhf_jax.recovery import Recovery, RunState
 from rlhf_jax.rewards import Rewards, load_custom_reward_fn, score_responses
 from rlhf_jax.rollback import RollbackWatch
-from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences
+from rlhf_jax.rollout import SamplingParams, generate_sequences
 from rlhf_jax.tokenizer import load_tokenizer
 from rlhf_jax.trackers import make_trackers
 
@@ -173,14 +174,12 @@ class Trainer:
         params = roles.load_or_init(self.actor_model, arr.model.path, lay, rng)
         self.actor_optim = ts.OptimConfig.from_config(arr.actor.optim, arr.actor.grad_clip,
                                                       self.total_steps)
-        self.trainable = {"actor": lora.trainable(self.actor_model)}
-        actor = ts.init_state(params, ts.make_optimizer(self.actor_optim),
-                              self.trainable["actor"])
+        actor, t = roles.train_state(self.actor_model, params, self.actor_optim)
+        self.trainable = {"actor": t}  # what each role's update trains (LoRA: the adapters)
         need_ref = cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
         # LoRA: the reference is the actor's frozen base run without its adapters (no copy)
         self.ref_from_base = need_ref and self.actor_model.cfg.lora is not None
-        ref = jax.tree.map(lambda x: x.copy(), params) if need_ref and not self.ref_from_base \
-            else None
+        ref = jax.tree.map(jnp.copy, params) if need_ref and not self.ref_from_base else None
         critic, self.critic_model, path = None, None, None
         if cfg.critic.enable:
             self.critic_model, path = roles.critic_model(cfg)
@@ -189,27 +188,15 @@ class Trainer:
                                                jax.random.fold_in(rng, 1))
             self.critic_optim = ts.OptimConfig.from_config(cfg.critic.optim, cfg.critic.grad_clip,
                                                            self.total_steps)
-            self.trainable["critic"] = lora.trainable(self.critic_model)
-            critic = ts.init_state(critic_params, ts.make_optimizer(self.critic_optim),
-                                   self.trainable["critic"])
+            critic, self.trainable["critic"] = roles.train_state(
+                self.critic_model, critic_params, self.critic_optim)
         self.lora_bases = lora.Bases({"actor": self.actor_model, "critic": self.critic_model},
-                                     {"actor": arr.model.path, "critic": path}, lay.mesh,
-                                     lay.spec.train_rules)
+                                     {"actor": arr.model.path, "critic": path}, lay)
         self.gen_shardings = self.actor_model.shardings(lay.mesh, lay.spec.generate_rules)
         self.weight_sync = lora.WeightSync(self.actor_model, self.gen_shardings)
         self.gen_params, self.sync_bytes = self.weight_sync(actor.params)
-        ro, d = arr.rollout, cfg.data
-        self.engine = Engine(
-            self.actor_model.with_layout(lay.mesh, lay.spec.generate_rules), lay.mesh,
-            lay.spec.generate_rules,
-            max_concurrent_decodes=ro.max_concurrent_decodes,
-            max_prefill_length=d.max_prompt_length, max_decode_length=d.max_response_length,
-            prefill_buckets=ro.prefill_buckets,
-        )
-        from rlhf_jax.rollout import memory  # the engine's slots under its memory budget
-
-        self.engine, self.rollout_budget = memory.budgeted(
-            self.engine, self.gen_params, ro.gpu_memory_utilization)
+        self.engine, self.rollout_budget = roles.engine(cfg, self.actor_model, lay,
+                                                        self.gen_params)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         programs.compile_steps(self, actor, critic)

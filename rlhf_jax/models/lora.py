@@ -154,3 +154,51 @@ def count(tree) -> tuple[int, int]:
     leaves = jax.tree.leaves(tree)
     return (sum(math.prod(x.shape) for x in leaves),
             sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves))
+
+
+# ------------------------------------------------------------------------ PEFT export
+
+_PEFT_PLACES = {p: ("self_attn" if p in PROJECTIONS[:4] else "mlp") for p in PROJECTIONS}
+
+
+def peft_tensors(params, spec: LoraSpec, num_layers: int) -> dict:
+    """The adapters as PEFT names them (`base_model.model.model.layers.{i}.<place>.<proj>.
+    lora_A.weight` `[r, in]`, `lora_B.weight` `[out, r]`), float32 host arrays."""
+    import numpy as np
+
+    out = {}
+    layers = params["model"]["layers"]
+    for proj in spec.targets:
+        place = _PEFT_PLACES[proj]
+        ad = layers[place][proj + SUFFIX]
+        a, b = np.asarray(jax.device_get(ad["a"])), np.asarray(jax.device_get(ad["b"]))
+        for i in range(num_layers):
+            name = f"base_model.model.model.layers.{i}.{place}.{proj}"
+            r = spec.rank
+            out[f"{name}.lora_A.weight"] = np.ascontiguousarray(
+                a[i].reshape(-1, r).T.astype(np.float32))
+            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(
+                b[i].reshape(r, -1).T.astype(np.float32))
+    return out
+
+
+def save_peft(params, spec: LoraSpec, num_layers: int, out_dir, base_path: str):
+    """A PEFT LoRA directory (`adapter_config.json`, `adapter_model.safetensors`) that
+    `peft.PeftModel.from_pretrained(<the transformers base>, out_dir)` loads."""
+    import json
+    from pathlib import Path
+
+    from rlhf_jax.models.hf_io import write_safetensors
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
+        "r": spec.rank, "lora_alpha": spec.alpha, "target_modules": list(spec.targets),
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "use_dora": False, "inference_mode": True, "init_lora_weights": True,
+        "modules_to_save": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_safetensors(out / "adapter_model.safetensors", peft_tensors(params, spec, num_layers))
+    return out
