@@ -7,7 +7,8 @@
   copy), so no second copy of the weights is kept.
 - **Weight sync**: `WeightSync` moves only the adapters train -> generate layout at each
   sync; the base moves once (and again only when it changes, e.g. after the SFT warm start
-  or a restore). The engine applies the adapters in its matmuls (see `WeightSync`).
+  or a restore). The engine runs the base model on `W + (alpha / r) A B` merged on the
+  generate side at each sync (faster than applying them in its matmuls: `WeightSync`).
 - **Checkpoints** hold the trainable part and its optimizer state, plus a `BaseRef` (the
   base's HF directory and a fingerprint of its files) checked on restore and export.
 """
@@ -26,7 +27,16 @@ import jax
 from rlhf_jax.checkpoint import CheckpointError
 from rlhf_jax.config.checks import lora_targets
 from rlhf_jax.models import Model
-from rlhf_jax.models.lora import LoraSpec, adapters, is_adapter_path, strip, with_adapters
+from rlhf_jax.models.lora import (
+    LoraSpec,
+    adapters,
+    is_adapter_path,
+    kernels_of,
+    merge,
+    strip,
+    with_adapters,
+    with_kernels,
+)
 from rlhf_jax.optim import ALL_TRAINABLE, Trainable
 from rlhf_jax.rollout import reshard
 
@@ -78,23 +88,35 @@ def nbytes(tree) -> int:
 class WeightSync:
     """update_weights: the actor's parameters as the engine reads them, generate layout.
 
-    Full fine-tuning moves every parameter at every sync. With LoRA the base is frozen:
-    it moves once and is kept in the generate layout, and each sync moves the adapters
-    alone (a few MB for a 0.5B model at rank 8); the engine applies them in its matmuls
-    (`python scripts/bench.py lora`: `lora.sync_apply_s` against `lora.sync_merge_s`, the
-    alternative of merging W + (alpha / r) B A into a generate-layout copy at each sync).
-    The base moves again only when its arrays change (warm start, restore).
+    Full fine-tuning moves every parameter at every sync. With LoRA the base is frozen: it
+    moves once and stays in the generate layout, and each sync moves the adapters alone (a
+    few MB for a 0.5B model at rank 8), then folds `W + (alpha / r) A B` into a copy of
+    the adapted kernels on the generate side: the engine runs the base model on merged
+    weights. Merging won over applying the adapters in the engine's matmuls on the
+    benchmark (`python scripts/bench.py lora`: `lora.apply_over_merge` > 1, i.e. a rollout
+    of 128 decode steps with the adapters applied took longer than one merge and the same
+    steps on merged weights). The base moves again only when its arrays change (the SFT
+    warm start, a restore). Memory: the generate copy of the base plus the merged kernels.
 
-    `__call__(params) -> (generate-layout params, bytes moved)`.
+    `__call__(params) -> (generate-layout params of the engine's model, bytes moved)`.
     """
 
     def __init__(self, model: Model, gen_shardings):
-        self.lora = model.cfg.lora is not None
+        self.spec = model.cfg.lora
         self.shardings = gen_shardings
         self._base, self._gen_base = None, None
+        if self.spec is not None:
+            ad_sh, base_sh = adapters(gen_shardings), strip(gen_shardings)
+            self._merge = jax.jit(
+                lambda base, ad: kernels_of(merge(with_adapters(base, ad), self.spec), ad),
+                out_shardings=kernels_of(base_sh, ad_sh))
+
+    def engine_model(self, model: Model) -> Model:
+        """The model the engine runs: the base on merged weights (LoRA), else `model`."""
+        return base_model(model)
 
     def __call__(self, params) -> tuple[Any, int]:
-        if not self.lora:
+        if self.spec is None:
             return reshard(params, self.shardings), nbytes(params)
         base, moved = strip(params), 0
         if self._base is None or not all(
@@ -104,7 +126,8 @@ class WeightSync:
             self._base, moved = base, nbytes(base)
         ad = adapters(params)
         gen = reshard(ad, adapters(self.shardings))
-        return with_adapters(self._gen_base, gen), moved + nbytes(ad)
+        return with_kernels(self._gen_base, self._merge(self._gen_base, gen)), \
+            moved + nbytes(ad)
 
 
 # -------------------------------------------------------------------------- base reference

@@ -195,8 +195,8 @@ class Trainer:
         self.gen_shardings = self.actor_model.shardings(lay.mesh, lay.spec.generate_rules)
         self.weight_sync = lora.WeightSync(self.actor_model, self.gen_shardings)
         self.gen_params, self.sync_bytes = self.weight_sync(actor.params)
-        self.engine, self.rollout_budget = roles.engine(cfg, self.actor_model, lay,
-                                                        self.gen_params)
+        self.engine, self.rollout_budget = roles.engine(
+            cfg, self.weight_sync.engine_model(self.actor_model), lay, self.gen_params)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         programs.compile_steps(self, actor, critic)

@@ -149,6 +149,25 @@ def merge(params, spec: LoraSpec):
     return fold(params)
 
 
+def kernels_of(tree, adapter_tree):
+    """The kernels of `tree` that `adapter_tree`'s adapters adapt, at their places."""
+    out = {}
+    for k, v in adapter_tree.items():
+        if str(k).endswith(SUFFIX):
+            proj = str(k)[: -len(SUFFIX)]
+            out[proj] = {"kernel": tree[proj]["kernel"]}
+        else:
+            out[k] = kernels_of(tree[k], v)
+    return out
+
+
+def with_kernels(tree, kernels):
+    """`tree` with the kernels of `kernels` (a `kernels_of` tree) in their places."""
+    if not isinstance(kernels, dict):
+        return kernels
+    return {**tree, **{k: with_kernels(tree[k], v) for k, v in kernels.items()}}
+
+
 def count(tree) -> tuple[int, int]:
     """(elements, bytes) of a tree's arrays."""
     leaves = jax.tree.leaves(tree)
