@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_resume import _kill_after, _manifest, _resumed_steps
+from test_resume import _kill_after, _manifest, _resumed_steps, reference_run
 from tiny_run import MACHINE, ROOT, steps_logged, tiny_overrides, train_script
 
 RUN = {"mesh": "single", "trainer.total_training_steps": 4, "trainer.save_freq": 2,
@@ -20,11 +20,7 @@ RUN = {"mesh": "single", "trainer.total_training_steps": 4, "trainer.save_freq":
 
 @pytest.mark.slow  # three training processes and two exports: ~4 minutes on 2 cores
 def test_lora_sigkill_resume_checkpoint_and_export(tmp_path):
-    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
-    for d in (ref_dir, cut_dir):
-        d.mkdir()
-    ref = train_script(tiny_overrides(ref_dir, **RUN), cwd=ref_dir)
-    assert ref.wait(timeout=900) == 0, (ref_dir / "stdout.txt").read_text()[-3000:]
+    ref_dir, cut_dir = reference_run(tmp_path, RUN)
     _kill_after(train_script(tiny_overrides(cut_dir, **RUN), cwd=cut_dir),
                 _manifest(cut_dir / "run", 2))
     last = train_script(tiny_overrides(cut_dir, **RUN), cwd=cut_dir)

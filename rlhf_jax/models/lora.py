@@ -7,14 +7,15 @@ sharded like their base weight with the rank replicated. `b` starts at zero (the
 model starts as its base exactly); `a` is PEFT's Kaiming-uniform init (bound 1/sqrt(fan_in)).
 
 The functions here work on parameter trees: `strip` (the base, same arrays, no copy),
-`adapters` (the adapter subtrees alone), `with_adapters` (put them back) and `merge`
-(`W + (alpha / r) A B` folded into the kernels: a base-shaped tree).
+`adapters` (the adapter subtrees alone), `with_adapters` (put them back), `merge`
+(`W + (alpha / r) A B` folded into the kernels: a base-shaped tree), `kernels_of` /
+`with_kernels` (the adapted kernels alone, and back); `save_peft` writes the adapters as a
+PEFT LoRA directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -22,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from rlhf_jax.config.checks import LORA_MODULES as PROJECTIONS
-from rlhf_jax.config.checks import lora_targets as resolve_targets  # noqa: F401 (re-exported)
 from rlhf_jax.models.ops import _matmul
 
 SUFFIX = "_lora"
@@ -166,13 +166,6 @@ def with_kernels(tree, kernels):
     if not isinstance(kernels, dict):
         return kernels
     return {**tree, **{k: with_kernels(tree[k], v) for k, v in kernels.items()}}
-
-
-def count(tree) -> tuple[int, int]:
-    """(elements, bytes) of a tree's arrays."""
-    leaves = jax.tree.leaves(tree)
-    return (sum(math.prod(x.shape) for x in leaves),
-            sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves))
 
 
 # ------------------------------------------------------------------------ PEFT export
