@@ -95,16 +95,17 @@ class WeightSync:
     weights. Merging won over applying the adapters in the engine's matmuls on the
     benchmark (`python scripts/bench.py lora`: `lora.apply_over_merge` > 1, i.e. a rollout
     of 128 decode steps with the adapters applied took longer than one merge and the same
-    steps on merged weights). The base moves again only when its arrays change (the SFT
-    warm start, a restore). Memory: the generate copy of the base plus the merged kernels.
+    steps on merged weights). The base moves again only when the caller says it changed
+    (`rebase`: the SFT warm start, a restore). Memory: the generate copy of the base plus
+    the merged kernels.
 
-    `__call__(params) -> (generate-layout params of the engine's model, bytes moved)`.
+    `__call__(params, rebase) -> (generate-layout params of the engine's model, bytes moved)`.
     """
 
     def __init__(self, model: Model, gen_shardings):
         self.spec = model.cfg.lora
         self.shardings = gen_shardings
-        self._base, self._gen_base = None, None
+        self._gen_base = None
         if self.spec is not None:
             ad_sh, base_sh = adapters(gen_shardings), strip(gen_shardings)
             self._merge = jax.jit(
@@ -115,15 +116,15 @@ class WeightSync:
         """The model the engine runs: the base on merged weights (LoRA), else `model`."""
         return base_model(model)
 
-    def __call__(self, params) -> tuple[Any, int]:
+    def __call__(self, params, rebase: bool = False) -> tuple[Any, int]:
+        """`rebase`: the frozen base changed too (the warm start, a restore); it moves then,
+        and at the first call."""
         if self.spec is None:
             return reshard(params, self.shardings), nbytes(params)
-        base, moved = strip(params), 0
-        if self._base is None or not all(
-                a is b for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(self._base),
-                                       strict=True)):
-            self._gen_base = reshard(base, strip(self.shardings))
-            self._base, moved = base, nbytes(base)
+        moved = 0
+        if self._gen_base is None or rebase:
+            base = strip(params)
+            self._gen_base, moved = reshard(base, strip(self.shardings)), nbytes(base)
         ad = adapters(params)
         gen = reshard(ad, adapters(self.shardings))
         return with_kernels(self._gen_base, self._merge(self._gen_base, gen)), \

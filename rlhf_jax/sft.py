@@ -135,7 +135,7 @@ def warm_start(trainer, run_state):
                                smooth_over)
         bar.update(1)
         if i % cfg.eval_every == 0 or i == cfg.max_steps:
-            trainer.sync_weights(lora.with_adapters(state.params, adapter_tree))
+            trainer.sync_weights(lora.with_adapters(state.params, adapter_tree), rebase=True)
             exp = trainer.generate(eval_batch, 1, trainer.sampling(), jax.random.key(i))
             score = float(np.mean(trainer.score(eval_batch, exp, 1)))
             progress.note(f"sft warm start {i}/{cfg.max_steps} | loss={float(loss):.4g} "
@@ -150,7 +150,7 @@ def warm_start(trainer, run_state):
                   f"in {duration(time.perf_counter() - start)}")
     actor = ts.init_state(lora.with_adapters(state.params, adapter_tree),
                           ts.make_optimizer(trainer.actor_optim), trainer.trainable["actor"])
-    trainer.sync_weights(actor.params)
+    trainer.sync_weights(actor.params, rebase=True)
     run_state = run_state._replace(actor=actor)
     if adapter_tree:
         base_dir = save_hf(model, state.params, trainer.run_dir / paths.LORA_BASE)

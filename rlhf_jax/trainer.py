@@ -408,11 +408,11 @@ class Trainer:
         out = {} if self.val_loader is None else val_metrics.run(self)
         return {**out, "timing_s/testing": time.perf_counter() - start} if out else out
 
-    def sync_weights(self, params=None) -> None:
-        """update_weights: the actor's parameters (with LoRA: its adapters), train layout ->
-        the engine's generate layout (`lora.WeightSync`)."""
+    def sync_weights(self, params=None, rebase: bool = False) -> None:
+        """update_weights: the actor's parameters (with LoRA: its adapters; the frozen base
+        too with `rebase`), train layout -> the engine's generate layout (`lora.WeightSync`)."""
         params = self.state.actor.params if params is None else params
-        self.gen_params, self.sync_bytes = self.weight_sync(params)
+        self.gen_params, self.sync_bytes = self.weight_sync(params, rebase)
         jax.block_until_ready(self.gen_params)
 
     def log(self, metrics: dict) -> None:
@@ -427,7 +427,7 @@ class Trainer:
         self.state = state
         self.train_loader.set_state(state.loader)
         self.watch.load(state.watch)
-        self.sync_weights()
+        self.sync_weights(rebase=True)  # a restore may have loaded another LoRA base
 
     def _next_batch(self):
         try:

@@ -112,8 +112,9 @@ def test_weight_sync_moves_only_the_adapters_and_merges_them():
     gen, moved = sync(params)
     total, adapter_bytes = lora.nbytes(params), lora.nbytes(mlora.adapters(params))
     assert moved == total  # the first sync moves the base too
-    params2 = mlora.with_adapters(params, jax.tree.map(lambda x: x + 0.05,
-                                                       mlora.adapters(params)))
+    # an update's new arrays: the base's values unchanged (frozen), the adapters moved
+    params2 = mlora.with_adapters(jax.tree.map(jnp.copy, mlora.strip(params)),
+                                  jax.tree.map(lambda x: x + 0.05, mlora.adapters(params)))
     gen2, moved2 = sync(params2)
     assert moved2 == adapter_bytes and adapter_bytes < total / 4
     # the engine's weights: the base's tree, the adapted kernels merged, the rest the very
@@ -129,6 +130,7 @@ def test_weight_sync_moves_only_the_adapters_and_merges_them():
     assert engine_model.cfg.lora is None
     np.testing.assert_allclose(engine_model.forward(jax.device_get(gen2), ids, mask),
                                model.forward(jax.device_get(params2), ids, mask), atol=2e-5)
+    assert sync(params2, rebase=True)[1] == total  # the warm start, a restore: all of it
     full = lora.WeightSync(Model(CFG), Model(CFG).shardings(mesh, spec.generate_rules))
     assert full(mlora.strip(params))[1] == lora.nbytes(mlora.strip(params))
 
