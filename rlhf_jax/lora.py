@@ -124,7 +124,10 @@ class WeightSync:
         moved = 0
         if self._gen_base is None or rebase:
             base = strip(params)
-            self._gen_base, moved = reshard(base, strip(self.shardings)), nbytes(base)
+            # a copy where the layouts agree: the update donates the train-layout arrays
+            self._gen_base = jax.tree.map(lambda new, old: new.copy() if new is old else new,
+                                          reshard(base, strip(self.shardings)), base)
+            moved = nbytes(base)
         ad = adapters(params)
         gen = reshard(ad, adapters(self.shardings))
         return with_kernels(self._gen_base, self._merge(self._gen_base, gen)), \

@@ -131,6 +131,12 @@ def test_weight_sync_moves_only_the_adapters_and_merges_them():
     np.testing.assert_allclose(engine_model.forward(jax.device_get(gen2), ids, mask),
                                model.forward(jax.device_get(params2), ids, mask), atol=2e-5)
     assert sync(params2, rebase=True)[1] == total  # the warm start, a restore: all of it
+    # one device: the layouts agree, yet the engine's base is its own copy (an update
+    # donates the train-layout arrays)
+    mesh1, spec1 = _mesh("single")
+    one = model.init(jax.random.key(0), mesh1, spec1.train_rules)
+    gen1, _ = lora.WeightSync(model, model.shardings(mesh1, spec1.generate_rules))(one)
+    assert gen1["model"]["norm"]["scale"] is not one["model"]["norm"]["scale"]
     full = lora.WeightSync(Model(CFG), Model(CFG).shardings(mesh, spec.generate_rules))
     assert full(mlora.strip(params))[1] == lora.nbytes(mlora.strip(params))
 
