@@ -20,6 +20,7 @@ import numpy as np
 
 from rlhf_jax import batching, core_algos, ppo
 from rlhf_jax import train_steps as ts
+from rlhf_jax.models.lora import strip as lora_strip
 
 
 class Experience(NamedTuple):
@@ -78,7 +79,7 @@ def experience_stages(trainer) -> list[Stage]:
         stages.append(Stage(None, functools.partial(_old_from_rollout, trainer)))
     else:
         stages.append(Stage("old_log_prob", functools.partial(_old_log_prob, trainer)))
-    if trainer.state.ref is not None:
+    if trainer.state.ref is not None or trainer.ref_from_base:
         stages.append(Stage("ref", functools.partial(_ref_log_prob, trainer)))
     if trainer.state.critic is not None and not trainer.values_in_update:
         stages.append(Stage("values", functools.partial(_values, trainer)))
@@ -115,7 +116,10 @@ def _old_log_prob(trainer, state, exp, chunks):
         "training/rollout_probs_diff_mean": float(mean)})
 
 def _ref_log_prob(trainer, state, exp, chunks):
-    ref = trainer.forward("ref", state.ref, exp.seqs, chunks)
+    """The reference's log-probs: its own parameters, or the LoRA actor's frozen base run
+    without the adapters (the same arrays, no copy)."""
+    params = lora_strip(state.actor.params) if trainer.ref_from_base else state.ref
+    ref = trainer.forward("ref", params, exp.seqs, chunks)
     return exp._replace(ref_log_probs=ref)
 
 def _values(trainer, state, exp, chunks):

@@ -19,16 +19,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlhf_jax import paths, roles
+from rlhf_jax import lora, paths, roles
 from rlhf_jax import train_steps as ts
 from rlhf_jax.checkpoint import Checkpointer, CheckpointError, DamagedCheckpoint
 from rlhf_jax.config import config_from_dict
-from rlhf_jax.models.hf_io import save_hf
+from rlhf_jax.models import lora as mlora
+from rlhf_jax.models.hf_io import load_hf_params, save_hf
 from rlhf_jax.tokenizer import load_tokenizer
 
 
 def _abstract_train_state(model, optim_cfg) -> ts.TrainState:
-    params = model.abstract_params()
+    """What a checkpoint holds of a role: its trainable part (with LoRA, the adapters) and
+    that part's optimizer state (`lora.pruned`)."""
+    params = lora.trainable(model).split(model.abstract_params())[0]
     opt_state = jax.eval_shape(ts.make_optimizer(optim_cfg).init, params)
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
     return ts.TrainState(params, opt_state, scalar(jnp.int32), scalar(jnp.float32),
@@ -45,8 +48,8 @@ def checkpoint_template(cfg) -> dict:
         critic, _ = roles.critic_model(cfg)
         out["critic"] = _abstract_train_state(critic, optim(cfg.critic.optim,
                                                              cfg.critic.grad_clip))
-    if cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:
-        out["ref"] = actor.abstract_params()
+    if (cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss) and actor.cfg.lora is None:
+        out["ref"] = actor.abstract_params()  # (a LoRA actor's reference is its base)
     return out
 
 
@@ -94,9 +97,14 @@ def _run_config(ckpt: Checkpointer):
     raise CheckpointError(f"no checkpoint in {ckpt.directory}")
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path) -> tuple[Path, int]:
+def export_hf(checkpoint: str | Path, out_dir: str | Path, fmt: str = "merged"
+              ) -> tuple[Path, int]:
     """Writes the actor of `checkpoint` (a `checkpoints/<step>` folder, or a run directory:
     its newest good, intact step) as an HF directory.
+
+    A LoRA actor (its checkpoint holds the adapters and names its base, `lora.BaseRef`,
+    checked against the base's files) is written `merged` (W + (alpha / r) A B: a plain HF
+    model) or as a `peft` adapter directory for its base (`models.lora.save_peft`).
 
     Returns:
       (the directory written, the step exported).
@@ -122,8 +130,23 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> tuple[Path, int]:
             cfg = config_from_dict(got.meta["config"])
     model_cfg = cfg.actor_rollout_ref.model
     tokenizer_dir = model_cfg.tokenizer_path or model_cfg.path
+    model = roles.actor_model(cfg)
     params = jax.tree.map(np.asarray, got.state["actor"].params)
-    out = save_hf(roles.actor_model(cfg), params, out_dir, tokenizer_dir=tokenizer_dir)
+    spec = model.cfg.lora
+    if spec is None and fmt == "peft":
+        raise CheckpointError("--format peft: this checkpoint's actor has no LoRA adapters "
+                              "(actor_rollout_ref.model.lora_rank 0); use --format merged")
+    if spec is not None:
+        base_ref = lora.BaseRef.from_meta(got.meta.get("lora_base", {}).get("actor", {}))
+        if fmt == "peft":
+            n = model.cfg.num_hidden_layers
+            return mlora.save_peft(params, spec, n, out_dir, base_ref.path), got.step
+        bare = lora.base_model(model)
+        base = load_hf_params(bare, base_ref.path, jax.tree.map(
+            lambda _: device, bare.abstract_params()))
+        model, params = bare, mlora.merge(mlora.with_adapters(base, mlora.adapters(params)),
+                                          spec)
+    out = save_hf(model, params, out_dir, tokenizer_dir=tokenizer_dir)
     gen = generation_config(cfg, load_tokenizer(tokenizer_dir))
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out, got.step

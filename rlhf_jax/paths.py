@@ -18,3 +18,4 @@ RUN_CONFIG = "config.yaml"  # the resolved config of the run
 CHECKPOINTS = "checkpoints"  # `checkpoints/<step>`
 METRICS = "metrics.jsonl"  # every step's metrics (the jsonl tracker)
 PROFILE = "profile"  # `trainer.profile_steps` traces
+LORA_BASE = "lora_base"  # a LoRA run's warm-started base (HF directory), when it has one

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from rlhf_jax import train_steps as ts
+from rlhf_jax.models.lora import strip as lora_strip
 from rlhf_jax.rollout import driver
 
 SFT_EVAL_PROMPTS = 256  # the prompts of the SFT warm start's sampled evaluation (sft.py)
@@ -165,6 +166,8 @@ def _step_jobs(trainer, gates: dict) -> list[tuple[str, Callable[[], None]]]:
     cfg, state = trainer.cfg, trainer.state
     # Shapes now: the SFT warm start donates (deletes) these very arrays.
     actor, ref, critic = _abstract((state.actor, state.ref, state.critic))
+    if trainer.ref_from_base:  # the LoRA actor's base is its reference
+        ref = lora_strip(actor.params)
     r = cfg.data.max_response_length
     jobs = []
 

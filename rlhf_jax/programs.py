@@ -9,9 +9,10 @@ import functools
 import jax
 import numpy as np
 
-from rlhf_jax import batching, offload, packing
+from rlhf_jax import batching, lora, offload, packing
 from rlhf_jax import train_steps as ts
 from rlhf_jax.metrics import peak_flops_per_device
+from rlhf_jax.models.lora import strip
 
 
 def compile_steps(trainer, actor: ts.TrainState, critic: ts.TrainState | None) -> None:
@@ -27,16 +28,19 @@ def compile_steps(trainer, actor: ts.TrainState, critic: ts.TrainState | None) -
     state_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, actor))
     trainer.actor_update = offload.onloaded(jax.jit(
         functools.partial(ts.actor_update, model=trainer.actor_model, loss=loss,
-                          optim=trainer.actor_optim),
+                          optim=trainer.actor_optim, trainable=trainer.trainable["actor"]),
         in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0,
     ), off["actor"], "opt_state")
 
-    def policy_pass(step, chunk_size, spi=False):  # the actor's / the reference's log-probs
+    def policy_pass(step, chunk_size, spi=False, base=False):  # the actor's / the ref's
         kw = {"with_entropy": False} if step is ts.log_probs_step else {}
+        # base: the LoRA actor's reference, its base without the adapters (`lora.strip`)
+        model = lora.base_model(trainer.actor_model) if base else trainer.actor_model
         return offload.onloaded(jax.jit(
-            functools.partial(step, model=trainer.actor_model, temperature=temperature,
+            functools.partial(step, model=model, temperature=temperature,
                               lm_head_chunk_size=chunk_size, with_sum_pi_squared=spi, **kw),
-            in_shardings=(state_sh.params, None)), off["ref"])
+            in_shardings=(strip(state_sh.params) if base else state_sh.params, None)),
+            off["ref"])
 
     actor_chunk, ref_chunk = arr.actor.lm_head_chunk_size, arr.ref.lm_head_chunk_size
     # the old log-probs with sum_pi_squared when the estimator reads it (verl's
@@ -47,12 +51,14 @@ def compile_steps(trainer, actor: ts.TrainState, critic: ts.TrainState | None) -
                        (ts.packed_log_probs_step, "packed_log_probs")):
         fn = policy_pass(step, actor_chunk, spi)  # old log-probs (and ref's, when the same)
         setattr(trainer, name, fn)
+        same = ref_chunk == actor_chunk and not spi and not trainer.ref_from_base
         setattr(trainer, name.replace("log_probs", "ref_log_probs"),
-                fn if ref_chunk == actor_chunk and not spi else policy_pass(step, ref_chunk))
+                fn if same else policy_pass(step, ref_chunk, base=trainer.ref_from_base))
     if critic is not None:
         c, alg = cfg.critic, cfg.algorithm
         critic_sh = offload.device_shardings(jax.tree.map(lambda x: x.sharding, critic))
         kw = dict(model=trainer.critic_model, optim=trainer.critic_optim,
+                  trainable=trainer.trainable["critic"],
                   loss=ts.CriticLoss(c.cliprange_value, c.loss_agg_mode))
         for name, fn, outs in (
             ("critic_update", functools.partial(ts.critic_update, **kw), (None,)),

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from rlhf_jax import lora
 from rlhf_jax.checkpoint import Checkpointer, CheckpointError
 from rlhf_jax.config import to_dict
 from rlhf_jax.core_algos import KLControllerState
@@ -70,13 +71,36 @@ class RunState(NamedTuple):
 class Recovery:
     """Saves, restores and rolls back a `RunState` in `checkpointer`'s directory."""
 
-    def __init__(self, cfg, checkpointer: Checkpointer):
+    def __init__(self, cfg, checkpointer: Checkpointer, trainable: dict | None = None,
+                 bases: lora.Bases | None = None):
         self.cfg = cfg
         self.checkpointer = checkpointer
+        # LoRA roles: a checkpoint holds their trainable part and its optimizer state, and
+        # the meta names their frozen base (`lora.BaseRef`).
+        self.trainable = trainable or {}
+        self.bases = bases
+
+    def _arrays(self, state: RunState) -> dict:
+        arrays = state.arrays()
+        return {k: lora.pruned(self.trainable[k], v) if k in self.trainable else v
+                for k, v in arrays.items()}
+
+    def _loaded(self, state: RunState, got) -> RunState:
+        arrays = dict(got.state)
+        for role, t in self.trainable.items():
+            if role in arrays:
+                arrays[role] = lora.unpruned(t, arrays[role], getattr(state, role))
+                if self.bases is not None and role in self.bases.models:
+                    arrays[role] = self.bases.restored(role, arrays[role],
+                                                       got.meta.get("lora_base", {}))
+        return state.loaded(got.step, arrays, got.meta)
 
     def save(self, state: RunState) -> None:
         """Starts an asynchronous checkpoint of this step (`checkpoints/<step>`)."""
-        self.checkpointer.save(state.step, state.arrays(), state.meta(self.cfg), force=True)
+        meta = state.meta(self.cfg)
+        if self.bases is not None and self.bases.models:
+            meta["lora_base"] = self.bases.meta()
+        self.checkpointer.save(state.step, self._arrays(state), meta, force=True)
 
     def restore(self, state: RunState) -> tuple[RunState, str] | None:
         """`trainer.resume_mode`: `state` (a template of the right shapes and shardings)
@@ -84,7 +108,7 @@ class Recovery:
         t = self.cfg.trainer
         if t.resume_mode == "disable":
             return None
-        target = state.arrays()
+        target = self._arrays(state)
         if t.resume_mode == "resume_path":
             path = Path(t.resume_from_path)
             if not path.name.isdigit():
@@ -101,7 +125,7 @@ class Recovery:
             if got is None:
                 return None
             origin = str(self.checkpointer.directory / str(got.step))
-        return state.loaded(got.step, got.state, got.meta), origin
+        return self._loaded(state, got), origin
 
     def _other_config(self, error: CheckpointError) -> CheckpointError:
         """`error`, or what it likely means: the directory holds another configuration's
@@ -133,10 +157,11 @@ class Recovery:
             raise RollbackLimit(f"step {failed}: {cause}; stopping after "
                                 f"trainer.rollback.max_rollbacks={rb.max_rollbacks} rollbacks")
         lr_scale = np.float32(float(state.actor.lr_scale) * rb.lr_factor)
-        got = self.checkpointer.restore_latest_good(target_state=state.arrays(), newest=newest)
+        got = self.checkpointer.restore_latest_good(target_state=self._arrays(state),
+                                                    newest=newest)
         if got is None:
             raise RollbackLimit(f"step {failed}: {cause}; no checkpoint to roll back to")
-        state = state.loaded(got.step, got.state, got.meta)._replace(rollbacks=rollbacks)
+        state = self._loaded(state, got)._replace(rollbacks=rollbacks)
         # From the host, so each state gets a buffer of its own (both are donated).
         scale = lambda s: s._replace(lr_scale=jax.device_put(lr_scale, s.lr_scale.sharding))
         state = state._replace(actor=scale(state.actor), critic=None if state.critic is None

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rlhf_jax import lora
 from rlhf_jax.errors import ModelError
 from rlhf_jax.mesh import MeshSpec, load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, load_model_config
@@ -42,11 +43,37 @@ def build_mesh(cfg) -> Layouts:
 
 
 def load_or_init(model: Model, path: str | Path | None, layouts: Layouts, rng) -> Any:
-    """Parameters in the train layout from an HF directory with weights, else random init."""
-    shardings = model.shardings(layouts.mesh, layouts.spec.train_rules)
+    """Parameters in the train layout from an HF directory with weights, else random init;
+    a LoRA model's base so, with fresh adapters (B = 0) attached."""
+    rules = layouts.spec.train_rules
+    if model.cfg.lora is not None:
+        base = load_or_init(lora.base_model(model), path, layouts, rng)
+        return lora.init_adapters(model, base, layouts.mesh, rules, jax.random.fold_in(rng, 7))
     if path is not None and any(Path(path).glob("*.safetensors")):
-        return load_hf_params(model, path, shardings)
-    return model.init(rng, layouts.mesh, layouts.spec.train_rules)
+        return load_hf_params(model, path, model.shardings(layouts.mesh, rules))
+    return model.init(rng, layouts.mesh, rules)
+
+
+def train_state(model: Model, params, optim) -> tuple[Any, Any]:
+    """A role's fresh `TrainState` (AdamW on `optim`, a `train_steps.OptimConfig`) and what
+    its update trains (`lora.trainable`: everything, or the adapters on a frozen base)."""
+    from rlhf_jax import train_steps as ts
+
+    trainable = lora.trainable(model)
+    return ts.init_state(params, ts.make_optimizer(optim), trainable), trainable
+
+
+def engine(cfg, model: Model, layouts: Layouts, gen_params):
+    """The rollout engine of the actor `model` in the generate layout, with as many slots
+    as its memory budget allows (`rollout.memory.budgeted`): `(engine, budget)`."""
+    from rlhf_jax.rollout import Engine, memory
+
+    ro, d, rules = cfg.actor_rollout_ref.rollout, cfg.data, layouts.spec.generate_rules
+    eng = Engine(model.with_layout(layouts.mesh, rules), layouts.mesh, rules,
+                 max_concurrent_decodes=ro.max_concurrent_decodes,
+                 max_prefill_length=d.max_prompt_length, max_decode_length=d.max_response_length,
+                 prefill_buckets=ro.prefill_buckets)
+    return memory.budgeted(eng, gen_params, ro.gpu_memory_utilization)
 
 
 def ensure_model_weights(path: str | Path, hf_config: dict, seed: int) -> None:
@@ -64,8 +91,9 @@ def ensure_model_weights(path: str | Path, hf_config: dict, seed: int) -> None:
 
 def actor_model(cfg) -> Model:
     m = cfg.actor_rollout_ref.model
+    model_cfg = load_model_config(m.path, dict(m.override_config))
     return Model(
-        load_model_config(m.path, dict(m.override_config)), "lm", m.compute_dtype,
+        dataclasses.replace(model_cfg, lora=lora.spec_of(m)), "lm", m.compute_dtype,
         m.param_dtype, m.enable_gradient_checkpointing, m.scan_layers,
     )
 
@@ -78,6 +106,7 @@ def critic_model(cfg) -> tuple[Model, str]:
     if not Path(path, "config.json").is_file():
         raise ModelError(f"critic.model.path {path!r} has no config.json")
     overrides = dict(c.override_config) if c.path else dict(m.override_config)
-    model = Model(load_model_config(path, overrides), "value", m.compute_dtype, m.param_dtype,
+    model_cfg = dataclasses.replace(load_model_config(path, overrides), lora=lora.spec_of(c))
+    model = Model(model_cfg, "value", m.compute_dtype, m.param_dtype,
                   c.enable_gradient_checkpointing, c.scan_layers)
     return model, path

@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rlhf_jax import batching
+from rlhf_jax import batching, lora, paths
 from rlhf_jax import train_steps as ts
 from rlhf_jax.core_algos import logprobs_from_logits, masked_mean
+from rlhf_jax.models.hf_io import save_hf
 from rlhf_jax.progress import duration
 
 
@@ -94,9 +95,14 @@ def warm_start(trainer, run_state):
     dataset = trainer.train_loader.dataset
     r = trainer.cfg.data.max_response_length
     tx = optax.adam(cfg.lr)
-    state = ts.init_state(run_state.actor.params, tx)
+    # LoRA: the warm start trains the base (the synthetic task's stand-in for a pretrained
+    # model), then the adapters start on it (B = 0) and the base is saved as the run's
+    # LoRA base (`lora.BaseRef`: what a resume loads).
+    adapter_tree = lora.adapters(run_state.actor.params)
+    model = lora.base_model(trainer.actor_model)
+    state = ts.init_state(lora.strip(run_state.actor.params), tx)
     sh = jax.tree.map(lambda x: x.sharding, state)
-    step = jax.jit(functools.partial(_sft_step, model=trainer.actor_model, tx=tx,
+    step = jax.jit(functools.partial(_sft_step, model=model, tx=tx,
                                      label_smoothing=float(cfg.label_smoothing)),
                    in_shardings=(sh, None, None), out_shardings=(sh, None), donate_argnums=0)
     vocab = trainer.actor_model.cfg.vocab_size
@@ -129,7 +135,7 @@ def warm_start(trainer, run_state):
                                smooth_over)
         bar.update(1)
         if i % cfg.eval_every == 0 or i == cfg.max_steps:
-            trainer.sync_weights(state.params)
+            trainer.sync_weights(lora.with_adapters(state.params, adapter_tree), rebase=True)
             exp = trainer.generate(eval_batch, 1, trainer.sampling(), jax.random.key(i))
             score = float(np.mean(trainer.score(eval_batch, exp, 1)))
             progress.note(f"sft warm start {i}/{cfg.max_steps} | loss={float(loss):.4g} "
@@ -142,15 +148,21 @@ def warm_start(trainer, run_state):
            f"max_steps reached (sampled score {score:.3f} < target_score {cfg.target_score})")
     progress.note(f"sft warm start: stopped at step {i}/{cfg.max_steps}, {why}, "
                   f"in {duration(time.perf_counter() - start)}")
-    actor = ts.init_state(state.params, ts.make_optimizer(trainer.actor_optim))
-    trainer.sync_weights(actor.params)
+    actor = ts.init_state(lora.with_adapters(state.params, adapter_tree),
+                          ts.make_optimizer(trainer.actor_optim), trainer.trainable["actor"])
+    trainer.sync_weights(actor.params, rebase=True)
     run_state = run_state._replace(actor=actor)
+    if adapter_tree:
+        base_dir = save_hf(model, state.params, trainer.run_dir / paths.LORA_BASE)
+        for role in ("actor", "critic") if trainer.cfg.critic.model.path is None else ("actor",):
+            trainer.lora_bases.set(role, base_dir)
     if run_state.ref is not None:  # the reference is the warm-started policy
         run_state = run_state._replace(ref=jax.tree.map(jnp.copy, state.params))
     if run_state.critic is not None and trainer.cfg.critic.model.path is None:
         # a critic initialised from the actor's backbone starts from the warm-started one
-        params = {**run_state.critic.params,
-                  "model": jax.tree.map(jnp.copy, state.params["model"])}
-        run_state = run_state._replace(
-            critic=ts.init_state(params, ts.make_optimizer(trainer.critic_optim)))
+        params = lora.with_adapters({**run_state.critic.params,  # its adapters, if any, kept
+                                     "model": jax.tree.map(jnp.copy, state.params["model"])},
+                                    lora.adapters(run_state.critic.params))
+        run_state = run_state._replace(critic=ts.init_state(
+            params, ts.make_optimizer(trainer.critic_optim), trainer.trainable["critic"]))
     return run_state

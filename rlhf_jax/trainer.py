@@ -21,12 +21,14 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlhf_jax import (
     batching,
     distributed,
     dynamic_sampling,
+    lora,
     offload,
     packing,
     paths,
@@ -51,7 +53,7 @@ from rlhf_jax.progress import Progress
 from rlhf_jax.recovery import Recovery, RunState
 from rlhf_jax.rewards import Rewards, load_custom_reward_fn, score_responses
 from rlhf_jax.rollback import RollbackWatch
-from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, reshard
+from rlhf_jax.rollout import SamplingParams, generate_sequences
 from rlhf_jax.tokenizer import load_tokenizer
 from rlhf_jax.trackers import make_trackers
 
@@ -94,7 +96,7 @@ class Trainer:
             save_freq=t.save_freq)
         self.checkpointer = Checkpointer(self.run_dir / paths.CHECKPOINTS,
                                          max_to_keep=t.max_ckpt_to_keep)
-        self.recovery = Recovery(cfg, self.checkpointer)
+        self.recovery = Recovery(cfg, self.checkpointer, self.trainable, self.lora_bases)
         self.watch = RollbackWatch.from_config(t.rollback)
         self.state = self.state._replace(watch=self.watch.state(),
                                          loader=self.train_loader.get_state())
@@ -172,10 +174,13 @@ class Trainer:
         params = roles.load_or_init(self.actor_model, arr.model.path, lay, rng)
         self.actor_optim = ts.OptimConfig.from_config(arr.actor.optim, arr.actor.grad_clip,
                                                       self.total_steps)
-        actor = ts.init_state(params, ts.make_optimizer(self.actor_optim))
+        actor, t = roles.train_state(self.actor_model, params, self.actor_optim)
+        self.trainable = {"actor": t}  # what each role's update trains (LoRA: the adapters)
         need_ref = cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
-        ref = jax.tree.map(lambda x: x.copy(), params) if need_ref else None
-        critic = None
+        # LoRA: the reference is the actor's frozen base run without its adapters (no copy)
+        self.ref_from_base = need_ref and self.actor_model.cfg.lora is not None
+        ref = jax.tree.map(jnp.copy, params) if need_ref and not self.ref_from_base else None
+        critic, self.critic_model, path = None, None, None
         if cfg.critic.enable:
             self.critic_model, path = roles.critic_model(cfg)
             self.critic_model = self.critic_model.with_layout(lay.mesh, lay.spec.train_rules)
@@ -183,21 +188,15 @@ class Trainer:
                                                jax.random.fold_in(rng, 1))
             self.critic_optim = ts.OptimConfig.from_config(cfg.critic.optim, cfg.critic.grad_clip,
                                                            self.total_steps)
-            critic = ts.init_state(critic_params, ts.make_optimizer(self.critic_optim))
+            critic, self.trainable["critic"] = roles.train_state(
+                self.critic_model, critic_params, self.critic_optim)
+        self.lora_bases = lora.Bases({"actor": self.actor_model, "critic": self.critic_model},
+                                     {"actor": arr.model.path, "critic": path}, lay)
         self.gen_shardings = self.actor_model.shardings(lay.mesh, lay.spec.generate_rules)
-        self.gen_params = reshard(actor.params, self.gen_shardings)
-        ro, d = arr.rollout, cfg.data
-        self.engine = Engine(
-            self.actor_model.with_layout(lay.mesh, lay.spec.generate_rules), lay.mesh,
-            lay.spec.generate_rules,
-            max_concurrent_decodes=ro.max_concurrent_decodes,
-            max_prefill_length=d.max_prompt_length, max_decode_length=d.max_response_length,
-            prefill_buckets=ro.prefill_buckets,
-        )
-        from rlhf_jax.rollout import memory  # the engine's slots under its memory budget
-
-        self.engine, self.rollout_budget = memory.budgeted(
-            self.engine, self.gen_params, ro.gpu_memory_utilization)
+        self.weight_sync = lora.WeightSync(self.actor_model, self.gen_shardings)
+        self.gen_params, self.sync_bytes = self.weight_sync(actor.params)
+        self.engine, self.rollout_budget = roles.engine(
+            cfg, self.weight_sync.engine_model(self.actor_model), lay, self.gen_params)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         programs.compile_steps(self, actor, critic)
@@ -368,6 +367,7 @@ class Trainer:
                 metrics.update(m)
             with timer("update_weights"):
                 self.sync_weights(state.actor.params)
+            metrics["perf/sync_bytes"] = self.sync_bytes  # bytes moved by update_weights
         metrics.update(data_metrics(
             scores=exp.scores, token_rewards=batching.fetch(exp.token_rewards),
             advantages=exp.advantages, returns=exp.returns,
@@ -408,11 +408,11 @@ class Trainer:
         out = {} if self.val_loader is None else val_metrics.run(self)
         return {**out, "timing_s/testing": time.perf_counter() - start} if out else out
 
-    def sync_weights(self, params=None) -> None:
-        """update_weights: the actor's parameters, train layout -> the engine's generate
-        layout."""
+    def sync_weights(self, params=None, rebase: bool = False) -> None:
+        """update_weights: the actor's parameters (with LoRA: its adapters; the frozen base
+        too with `rebase`), train layout -> the engine's generate layout (`lora.WeightSync`)."""
         params = self.state.actor.params if params is None else params
-        self.gen_params = reshard(params, self.gen_shardings)
+        self.gen_params, self.sync_bytes = self.weight_sync(params, rebase)
         jax.block_until_ready(self.gen_params)
 
     def log(self, metrics: dict) -> None:
@@ -427,7 +427,7 @@ class Trainer:
         self.state = state
         self.train_loader.set_state(state.loader)
         self.watch.load(state.watch)
-        self.sync_weights()
+        self.sync_weights(rebase=True)  # a restore may have loaded another LoRA base
 
     def _next_batch(self):
         try:

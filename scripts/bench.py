@@ -1,4 +1,4 @@
-"""Benchmarks: `python scripts/bench.py [ppo|packing|mfu|reshard|gae|decode|memory|rollout|all]`.
+"""Benchmarks: `python scripts/bench.py [NAME ...]`, each NAME one listed below, or `all`.
 
 Each name is a module `rlhf_jax/benchmarks/<name>.py` with `run() -> dict` of flat
 `"<name>.<metric>"` figures; `all` (the default) runs every such module. Every headline
@@ -19,6 +19,10 @@ figure is a ratio to a reference measured in the same run, on the same machine:
 - `gae.speedup`: verl's NumPy GAE loop seconds over the compiled GAE's.
 - `decode.ratio_to_bound`: KV-cache decode tokens/s over reading params + cache once a step.
 - `memory.ratio_to_ideal`: per-device training-state bytes over total / (fsdp x tensor).
+- `lora.optimizer_bytes_ratio`, `lora.sync_bytes_ratio` (Qwen2.5-0.5B shapes, rank 8
+  all-linear: adapters over full fine-tuning), `lora.step_time_ratio` (actor update, LoRA over
+  full, in turns), `lora.live_bytes_ratio` (actor state + reference), `lora.apply_over_merge`
+  (the engine applying adapters in its matmuls over merging them at each sync).
 - `chunked_head.temp_bytes_ratio`, `chunked_head.time_ratio`: the actor update with the LM
   head in chunks over the full-logits one (Qwen2.5-0.5B head, 2 layers, 4 x 2048 tokens).
 

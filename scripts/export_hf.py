@@ -3,7 +3,10 @@
 CHECKPOINT is `<trainer.default_local_dir>/checkpoints/<step>`, or a run directory (its
 newest good, intact step); OUT_DIR gets config.json, safetensors, the tokenizer files and a
 generation_config.json (the run's eos / pad / bos ids and rollout sampling), loadable with
-`transformers`' `from_pretrained`. A damaged newer step that is skipped is one `warning:`
+`transformers`' `from_pretrained`. A LoRA run's actor is written merged into its base
+(`--format merged`, the default) or as a PEFT adapter directory (`--format peft`:
+adapter_config.json + adapter_model.safetensors, for `peft.PeftModel.from_pretrained` on the
+base the checkpoint names). A damaged newer step that is skipped is one `warning:`
 line. Errors print one line (`error: ...`) and exit with status 2.
 """
 
@@ -21,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="a checkpoint step folder (<run>/checkpoints/<step>) "
                         "or a run directory (its newest good, intact step)")
     parser.add_argument("out_dir", help="the HF directory to write")
+    parser.add_argument("--format", choices=("merged", "peft"), default="merged",
+                        help="a LoRA actor: merged into its base (an HF model), or its PEFT "
+                        "adapters alone")
     args = parser.parse_args(argv)
     try:
         from rlhf_jax.checkpoint import CheckpointWarning
@@ -28,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CheckpointWarning)
-            out, step = export_hf(args.checkpoint, args.out_dir)
+            out, step = export_hf(args.checkpoint, args.out_dir, args.format)
         for w in caught:
             if issubclass(w.category, CheckpointWarning):
                 print(f"warning: {w.message}", file=sys.stderr)

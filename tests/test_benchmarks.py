@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from rlhf_jax.benchmarks import decode, gae, memory, mfu, packing, ppo, reshard, rollout
+from rlhf_jax.benchmarks import decode, gae, lora, memory, mfu, packing, ppo, reshard, rollout
 from rlhf_jax.errors import UserError
 
 
@@ -119,6 +119,20 @@ def test_workload_flops_matches_workload_md():
     assert 270e9 < flops < 290e9  # ~260 GFLOP of matmuls + ~9 % attention
 
 
+def test_lora_shape_ratios():
+    out = lora.shape_ratios()  # the 0.5B architecture, rank 8, all-linear: the targets
+    assert 0 < out["lora.optimizer_bytes_ratio"] <= 0.02
+    assert 0 < out["lora.sync_bytes_ratio"] <= 0.02
+
+
+@pytest.mark.slow  # four compiles (two updates, two decode steps) and the merge
+def test_lora_small():
+    out = lora.run(small=True)
+    assert 0 < out["lora.live_bytes_ratio"] < 0.6  # no optimizer state, no ref copy for the base
+    for k in ("lora.step_time_ratio", "lora.apply_over_merge", "lora.merge_seconds"):
+        assert np.isfinite(out[k]) and out[k] > 0, k
+
+
 def test_gae_small():
     out = gae.run(small=True)
     _finite(out, "gae.")
@@ -186,8 +200,8 @@ def _bench_script():
 
 def test_bench_script_lists_every_benchmark():
     bench = _bench_script()
-    assert bench.available() == ["chunked_head", "decode", "gae", "memory", "mfu", "packing",
-                                 "ppo", "reshard", "rollout"]
+    assert bench.available() == ["chunked_head", "decode", "gae", "lora", "memory", "mfu",
+                                 "packing", "ppo", "reshard", "rollout"]
     assert bench.main(["nope"]) == 2
     assert bench.main(["gae", "--trl-python", sys.executable]) == 2  # TRL goes with ppo only
     assert bench.main(["ppo", "--trl-python", "/no/such/python"]) == 2  # one line, no traceback

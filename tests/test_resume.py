@@ -38,14 +38,19 @@ def _resumed_steps(stdout: str) -> list[int]:
             if line.startswith("resumed from ")]
 
 
-@pytest.mark.slow  # four training processes: ~3 minutes on 2 cores
-def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path):
+def reference_run(tmp_path: Path, run: dict) -> tuple[Path, Path]:
+    """`(ref_dir, cut_dir)`: the run `run` trained uninterrupted in ref_dir; cut_dir empty."""
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
     for d in (ref_dir, cut_dir):
         d.mkdir()
-    ref = train_script(tiny_overrides(ref_dir, **RUN), cwd=ref_dir)
+    ref = train_script(tiny_overrides(ref_dir, **run), cwd=ref_dir)
     assert ref.wait(timeout=900) == 0, (ref_dir / "stdout.txt").read_text()[-3000:]
+    return ref_dir, cut_dir
 
+
+@pytest.mark.slow  # four training processes: ~3 minutes on 2 cores
+def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path):
+    ref_dir, cut_dir = reference_run(tmp_path, RUN)
     _kill_after(train_script(tiny_overrides(cut_dir, **RUN), cwd=cut_dir),
                 _manifest(cut_dir / "run", 2))
     _kill_after(train_script(tiny_overrides(cut_dir, **RUN), cwd=cut_dir),

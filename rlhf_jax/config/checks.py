@@ -303,6 +303,42 @@ def _check_packing(cfg: Config) -> None:
                       f"(max_prompt_length + max_response_length = {longest})")
 
 
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_targets(target_modules, exclude_modules=None, where: str = "") -> tuple[str, ...]:
+    """verl's `target_modules` (`all-linear` or projection names) less `exclude_modules`, in
+    the decoder's order; a ConfigError (one line, listing the valid names) for another name.
+    `all-linear` is every projection of the layers (as PEFT's, the LM head left out)."""
+    names = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
+    valid = ", ".join(LORA_MODULES)
+    chosen: set[str] = set()
+    for name in names:
+        if name not in ("all-linear", *LORA_MODULES):
+            _fail(f"{where}target_modules", f"unknown module {name!r}; valid: all-linear, {valid}")
+        chosen.update(LORA_MODULES if name == "all-linear" else (name,))
+    for name in exclude_modules or ():
+        if name not in LORA_MODULES:
+            _fail(f"{where}exclude_modules", f"unknown module {name!r}; valid: {valid}")
+        chosen.discard(name)
+    if not chosen:
+        _fail(f"{where}target_modules", "no module left to adapt after exclude_modules")
+    return tuple(m for m in LORA_MODULES if m in chosen)
+
+
+def _check_lora(cfg: Config) -> None:
+    models = [(f"{_ARR}.model.", cfg.actor_rollout_ref.model)]
+    if cfg.critic.enable:
+        models.append(("critic.model.", cfg.critic.model))
+    for where, m in models:
+        if m.lora_rank < 0:
+            _fail(f"{where}lora_rank", f"must be >= 0 (0: LoRA off), got {m.lora_rank}")
+        if m.lora_rank > 0:
+            if m.lora_alpha <= 0:
+                _fail(f"{where}lora_alpha", f"must be > 0, got {m.lora_alpha}")
+            lora_targets(m.target_modules, m.exclude_modules, where)
+
+
 def validate(cfg: Config) -> None:
     """Raises ConfigError (one line, naming the key) for the first rule the config breaks."""
     for path, (test, text) in _RULES:
@@ -324,6 +360,7 @@ def validate(cfg: Config) -> None:
                   "(set do_sample=false for greedy decoding)")
     _check_rollout_correction(cfg)
     _check_packing(cfg)
+    _check_lora(cfg)
     check_kl_kind(cfg.algorithm.kl_penalty, "algorithm.kl_penalty")
     check_kl_kind(arr.actor.kl_loss_type, f"{_ARR}.actor.kl_loss_type")
     _check_mini_batch(f"{_ARR}.actor", arr.actor.ppo_mini_batch_size, cfg)

@@ -72,6 +72,13 @@ class ModelConfig(Section):
     # Sequence packing for the actor's and the reference's passes and the actor's update
     # (rlhf_jax.packing): rows of real tokens, no padding.
     use_remove_padding: bool = False
+    # LoRA (verl's keys): adapters of rank `lora_rank` (0: off, full fine-tuning) and scale
+    # lora_alpha / lora_rank on `target_modules` (all-linear or q_proj, k_proj, v_proj,
+    # o_proj, gate_proj, up_proj, down_proj) less `exclude_modules`, on a frozen base.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    target_modules: tuple[str, ...] = ("all-linear",)
+    exclude_modules: tuple[str, ...] | None = None
 
 
 @_section
@@ -222,6 +229,14 @@ class CriticModelConfig(Section):
     enable_gradient_checkpointing: bool = False
     scan_layers: bool | None = None  # null: unrolled up to 8 layers
     use_remove_padding: bool = False  # sequence packing for the critic's pass and update
+    # LoRA (verl's keys): adapters of rank `lora_rank` (0: off, full fine-tuning) and scale
+    # lora_alpha / lora_rank on `target_modules` (all-linear or q_proj, k_proj, v_proj,
+    # o_proj, gate_proj, up_proj, down_proj) less `exclude_modules`, on a frozen base
+    # (the value head `score` trains whole).
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    target_modules: tuple[str, ...] = ("all-linear",)
+    exclude_modules: tuple[str, ...] | None = None
 
 
 @_section

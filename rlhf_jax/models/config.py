@@ -130,6 +130,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm of each query and key head before RoPE
     rope_scaling: RopeScaling | None = None  # None: the default RoPE
     sliding_window: int | None = None  # every layer attends to its last `window` keys
+    # LoRA adapters on the projections (`models.lora.LoraSpec`); not part of config.json.
+    lora: Any = None
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:

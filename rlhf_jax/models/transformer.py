@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from rlhf_jax.mesh import constrain
 from rlhf_jax.models.config import ModelConfig
+from rlhf_jax.models.lora import adapted
 from rlhf_jax.models.ops import (
     NEG_INF,
     attention,
@@ -179,7 +180,7 @@ class Attention(nn.Module):
         n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
 
         def proj(name, heads, head_axis, x_btd):
-            return nn.DenseGeneral(
+            y = nn.DenseGeneral(
                 (heads, h), use_bias=cfg.attention_bias, dtype=self.dtype,
                 param_dtype=self.param_dtype, name=name, dot_general=dense_dot_general,
                 kernel_init=_dense_init(("embed", head_axis, "head_dim")),
@@ -187,6 +188,8 @@ class Attention(nn.Module):
                     nn.initializers.zeros, (head_axis, "head_dim")
                 ),
             )(x_btd)
+            return adapted(self, name, x_btd, y, (cfg.hidden_size,), ("embed",), (heads, h),
+                           (head_axis, "head_dim"))
 
         cos_bsh, sin_bsh = rope_bt
         cos_bth, sin_bth, q_mask_bts, x_q_btd = cos_bsh, sin_bsh, mask_bts, x_btd
@@ -249,6 +252,8 @@ class Attention(nn.Module):
             kernel_init=_dense_init(("heads", "head_dim", "embed")),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
         )(out_btnh)
+        out_btd = adapted(self, "o_proj", out_btnh, out_btd, (n, h), ("heads", "head_dim"),
+                          (cfg.hidden_size,), ("embed",))
         return out_btd, new_cache
 
 
@@ -259,17 +264,21 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x_btd):
-        def dense(name, features, names):
-            return nn.Dense(
-                features, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-                kernel_init=_dense_init(names), name=name, dot_general=dense_dot_general,
-            )
+        f, d = self.cfg.intermediate_size, self.cfg.hidden_size
+        sizes = {"embed": d, "mlp": f}
 
-        f = self.cfg.intermediate_size
-        gate_btf = dense("gate_proj", f, ("embed", "mlp"))(x_btd)
-        up_btf = dense("up_proj", f, ("embed", "mlp"))(x_btd)
+        def dense(name, names, x):
+            y = nn.Dense(
+                sizes[names[1]], use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+                kernel_init=_dense_init(names), name=name, dot_general=dense_dot_general,
+            )(x)
+            return adapted(self, name, x, y, (sizes[names[0]],), names[:1],
+                           (sizes[names[1]],), names[1:])
+
+        gate_btf = dense("gate_proj", ("embed", "mlp"), x_btd)
+        up_btf = dense("up_proj", ("embed", "mlp"), x_btd)
         act_btf = constrain(gated_silu(gate_btf, up_btf), ("batch", "act_length", "act_mlp"))
-        return dense("down_proj", self.cfg.hidden_size, ("mlp", "embed"))(act_btf)
+        return dense("down_proj", ("mlp", "embed"), act_btf)
 
 
 class DecoderLayer(nn.Module):
