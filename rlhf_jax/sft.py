@@ -29,6 +29,7 @@ import optax
 from rlhf_jax import batching, lora, paths
 from rlhf_jax import train_steps as ts
 from rlhf_jax.core_algos import logprobs_from_logits, masked_mean
+from rlhf_jax.errors import ConfigError
 from rlhf_jax.models.hf_io import save_hf
 from rlhf_jax.progress import duration
 
@@ -99,6 +100,10 @@ def warm_start(trainer, run_state):
     # model), then the adapters start on it (B = 0) and the base is saved as the run's
     # LoRA base (`lora.BaseRef`: what a resume loads).
     adapter_tree = lora.adapters(run_state.actor.params)
+    if adapter_tree and jax.process_count() > 1:  # each host would write the one base
+        raise ConfigError("trainer.sft_warmup with LoRA (actor_rollout_ref.model.lora_rank > 0) "
+                          "runs on one host only: warm-start the base in a one-host run, "
+                          "export it and point actor_rollout_ref.model.path at it")
     model = lora.base_model(trainer.actor_model)
     state = ts.init_state(lora.strip(run_state.actor.params), tx)
     sh = jax.tree.map(lambda x: x.sharding, state)
