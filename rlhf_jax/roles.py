@@ -7,22 +7,29 @@ the rollout engine generates from the actor's parameters moved to the **generate
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from rlhf_jax.errors import ModelError
-from rlhf_jax.mesh import MeshSpec, load_mesh_spec, make_mesh
+from rlhf_jax.errors import ConfigError, ModelError
+from rlhf_jax.mesh import MeshSpec, ensure_host_devices, load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, load_model_config
 from rlhf_jax.models.hf_io import load_hf_params, save_hf
 
 
 @dataclasses.dataclass
 class Layouts:
-    mesh: Any
+    mesh: Any  # the train mesh
     spec: MeshSpec
+    rollout_mesh: Any = None  # the one-step-off mode's rollout devices (None: `mesh`)
+
+    @property
+    def gen_mesh(self):
+        """The mesh the rollout engine generates on."""
+        return self.mesh if self.rollout_mesh is None else self.rollout_mesh
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -38,7 +45,23 @@ def build_mesh(cfg) -> Layouts:
     sizes = {k: getattr(m, k) for k in
              ("data", "fsdp", "tensor", "dcn_data", "dcn_fsdp", "dcn_tensor")}
     spec = load_mesh_spec(m.preset, sizes)
-    return Layouts(make_mesh(spec), spec)
+    if spec.rollout_sizes is None:
+        return Layouts(make_mesh(spec), spec)
+    if cfg.actor_rollout_ref.hybrid_engine:
+        raise ConfigError(f"mesh {spec.name} has rollout_sizes, devices of their own for the "
+                          "rollout: set actor_rollout_ref.hybrid_engine=false")
+    if -1 in spec.sizes or -1 in spec.rollout_sizes or spec.dcn_sizes != (1, 1, 1):
+        raise ConfigError(f"mesh {spec.name}: with rollout_sizes, give every size (no -1) "
+                          "and no dcn_sizes")
+    n_train, n_roll = math.prod(spec.sizes), math.prod(spec.rollout_sizes)
+    ensure_host_devices(n_train + n_roll)
+    devices = jax.devices()
+    if len(devices) < n_train + n_roll:
+        raise ConfigError(f"mesh {spec.name} needs {n_train} train + {n_roll} rollout "
+                          f"devices, {len(devices)} are available")
+    rollout = dataclasses.replace(spec, sizes=spec.rollout_sizes)
+    return Layouts(make_mesh(spec, devices[:n_train]), spec,
+                   make_mesh(rollout, devices[n_train:n_train + n_roll]))
 
 
 def load_or_init(model: Model, path: str | Path | None, layouts: Layouts, rng) -> Any:
