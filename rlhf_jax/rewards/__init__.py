@@ -199,7 +199,7 @@ def score_batch(data_sources: Sequence[str], responses: Sequence[str],
                             custom_fn).raw
 
 
-def scoresample_name(i: int, source: str, response: str, truth: Any, extra: Any, row: str | None,
+def score_row(i: int, source: str, response: str, truth: Any, extra: Any, row: str | None,
               custom_fn: Callable[..., Any] | None = None) -> tuple[float, Any]:
     """Response `i`'s score and the scorer's whole result, checked: a scorer that raises,
     or returns no finite score, is a one-line `RewardError` naming the sample. The inline
@@ -248,7 +248,7 @@ def score_batch_info(data_sources: Sequence[str], responses: Sequence[str],
     info: dict[str, list] = {}
     for i, (source, response, truth, extra) in enumerate(
             zip(data_sources, responses, ground_truths, extra_infos, strict=True)):
-        scores[i], result = scoresample_name(i, source, response, truth, extra,
+        scores[i], result = score_row(i, source, response, truth, extra,
                                       None if rows is None else rows[i], custom_fn)
         collect_info(info, i, n, result)
     return Rewards(scores, scores, info)
