@@ -41,6 +41,11 @@ class Layouts:
 
 
 def build_mesh(cfg) -> Layouts:
+    """The train mesh, and the one-step-off mode's rollout mesh when the preset has
+    `rollout_sizes` (on the devices after the train mesh's)."""
+    if not cfg.actor_rollout_ref.hybrid_engine and jax.process_count() > 1:
+        raise ConfigError("actor_rollout_ref.hybrid_engine: false runs on one host for now; "
+                          "set it true for a multi-host run")
     m = cfg.mesh
     sizes = {k: getattr(m, k) for k in
              ("data", "fsdp", "tensor", "dcn_data", "dcn_fsdp", "dcn_tensor")}
