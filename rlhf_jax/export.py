@@ -36,7 +36,8 @@ def _abstract_train_state(model, optim_cfg) -> ts.TrainState:
 
 
 def checkpoint_template(cfg) -> dict:
-    """Shapes and dtypes of what `Trainer` saves for `cfg` (actor, critic, ref)."""
+    """Shapes and dtypes of what `Trainer` saves for `cfg` (actor, critic, ref, and the
+    one-step-off mode's older rollout weights)."""
     arr = cfg.actor_rollout_ref
     actor = roles.actor_model(cfg)
     optim = lambda o, clip: ts.OptimConfig.from_config(o, clip, 1)
@@ -47,6 +48,8 @@ def checkpoint_template(cfg) -> dict:
                                                              cfg.critic.grad_clip))
     if cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:
         out["ref"] = actor.abstract_params()
+    if not arr.hybrid_engine and cfg.async_training.max_staleness:  # the rollout's weights
+        out["behaviour"] = (actor.abstract_params(),) * cfg.async_training.max_staleness
     return out
 
 

@@ -94,3 +94,6 @@ def test_one_step_off_sigkill_and_resume_equals_uninterrupted_run(tmp_path):
         b = {k: v for k, v in got[step].items() if not k.startswith((*MACHINE, "async/i"))}
         assert a.keys() == b.keys(), step
         assert a == b, (step, {k: (a[k], b[k]) for k in a if a[k] != b[k]})
+    from rlhf_jax.export import export_hf  # its checkpoints export as the others do
+
+    assert export_hf(cut_dir / "run", tmp_path / "hf")[1] == 6
