@@ -40,26 +40,30 @@ def test_max_staleness_0_equals_the_synchronous_trainer(tmp_path):
 
 @pytest.mark.slow  # one tiny run: ~1 minute
 def test_the_pool_scores_while_the_old_log_prob_pass_runs(tmp_path):
-    """Each reward waits (30 s at most) for an old log-prob pass that starts after it was
-    called, and scores 1 if one does: inline scoring, before that pass, would score 0."""
-    trainer = Trainer(tiny(tmp_path, **SHORT, **{"reward.num_workers": 4,
-                                                  "trainer.test_freq": -1}))
-    passes, cond = [0], threading.Condition()
-    forward = trainer.forward
+    """Each reward waits (30 s at most) for the old log-prob pass of its own step and scores
+    1 if it comes: inline scoring, before that pass, would score 0."""
+    trainer = Trainer(tiny(tmp_path, **{**SHORT, "reward.num_workers": 4,
+                                        "trainer.test_freq": -1}))
+    counts, cond = {"gen": 0, "old": 0}, threading.Condition()
+    forward, generate = trainer.forward, trainer.generate
 
     def counted(name, *args):
         if name == "old":
             with cond:
-                passes[0] += 1
+                counts["old"] += 1
                 cond.notify_all()
         return forward(name, *args)
 
+    def generated(*args):
+        counts["gen"] += 1  # the step whose samples are scored next
+        return generate(*args)
+
     def waiting(data_source, solution_str, ground_truth, extra_info):
         with cond:
-            seen = passes[0]
-            return float(cond.wait_for(lambda: passes[0] > seen, timeout=30))
+            step = counts["gen"]
+            return float(cond.wait_for(lambda: counts["old"] >= step, timeout=30))
 
-    trainer.forward, trainer.reward_fn = counted, waiting
+    trainer.forward, trainer.generate, trainer.reward_fn = counted, generated, waiting
     history = trainer.run()
     assert [m["critic/score/mean"] for m in history] == [1.0] * 3
 
