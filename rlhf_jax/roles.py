@@ -43,15 +43,12 @@ class Layouts:
 def build_mesh(cfg) -> Layouts:
     """The train mesh, and the one-step-off mode's rollout mesh when the preset has
     `rollout_sizes` (on the devices after the train mesh's)."""
-    if not cfg.actor_rollout_ref.hybrid_engine and jax.process_count() > 1:
-        raise ConfigError("actor_rollout_ref.hybrid_engine: false runs on one host for now; "
-                          "set it true for a multi-host run")
     m = cfg.mesh
     sizes = {k: getattr(m, k) for k in
              ("data", "fsdp", "tensor", "dcn_data", "dcn_fsdp", "dcn_tensor")}
     spec = load_mesh_spec(m.preset, sizes)
     if spec.rollout_sizes is None:
-        return Layouts(make_mesh(spec), spec)
+        return _one_host(cfg, Layouts(make_mesh(spec), spec))
     if cfg.actor_rollout_ref.hybrid_engine:
         raise ConfigError(f"mesh {spec.name} has rollout_sizes, devices of their own for the "
                           "rollout: set actor_rollout_ref.hybrid_engine=false")
@@ -65,8 +62,17 @@ def build_mesh(cfg) -> Layouts:
         raise ConfigError(f"mesh {spec.name} needs {n_train} train + {n_roll} rollout "
                           f"devices, {len(devices)} are available")
     rollout = dataclasses.replace(spec, sizes=spec.rollout_sizes)
-    return Layouts(make_mesh(spec, devices[:n_train]), spec,
-                   make_mesh(rollout, devices[n_train:n_train + n_roll]))
+    return _one_host(cfg, Layouts(make_mesh(spec, devices[:n_train]), spec,
+                                  make_mesh(rollout, devices[n_train:n_train + n_roll])))
+
+
+def _one_host(cfg, layouts: Layouts) -> Layouts:
+    # After the meshes: asking for the process count starts the backend, which must come
+    # after the simulated CPU device count is set.
+    if not cfg.actor_rollout_ref.hybrid_engine and jax.process_count() > 1:
+        raise ConfigError("actor_rollout_ref.hybrid_engine: false runs on one host for now; "
+                          "set it true for a multi-host run")
+    return layouts
 
 
 def load_or_init(model: Model, path: str | Path | None, layouts: Layouts, rng) -> Any:

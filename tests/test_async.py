@@ -108,6 +108,13 @@ def test_async_keys_take_effect_or_are_refused(overrides, message):
                        "reward.timeout_s=5"])
 
 
+def test_the_mode_refuses_several_hosts(monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match="runs on one host for now"):
+        roles.build_mesh(load_config(None, [*MINIMAL, "actor_rollout_ref.hybrid_engine=false"]))
+    roles.build_mesh(load_config(None, MINIMAL))  # the hybrid engine: as before
+
+
 def test_the_split_mesh_trains_on_four_devices_and_generates_on_the_other_four():
     with pytest.raises(ConfigError, match="has rollout_sizes.*hybrid_engine=false"):
         roles.build_mesh(load_config(None, [*MINIMAL, "mesh=cpu-8-async"]))
