@@ -41,6 +41,7 @@ class Experience(NamedTuple):
     returns: Any = None
     rollout_is_weights: Any = None  # [N, R] rollout correction's IS weights (None: off)
     kl: float | None = None  # the batch's KL in the reward (the controller's input)
+    pending_rewards: Any = None  # the reward pool's scores in flight (the "reward" stage)
     metrics: dict = {}  # the stages' metrics (never mutated: `with_metrics` makes a new one)
     times: dict = {}  # seconds per stage
 
@@ -83,6 +84,8 @@ def experience_stages(trainer) -> list[Stage]:
         stages.append(Stage("ref", functools.partial(_ref_log_prob, trainer)))
     if trainer.state.critic is not None and not trainer.values_in_update:
         stages.append(Stage("values", functools.partial(_values, trainer)))
+    if trainer.reward_pool is not None:  # the scores, scored while the passes above ran
+        stages.append(Stage("reward", _collect_rewards))
     adv = functools.partial(_advantages, trainer)
     if not cfg.algorithm.rollout_correction.bypass_mode:  # bypass: in the actor's loss
         # verl corrects right before the advantages, under the same timer.
@@ -114,6 +117,12 @@ def _old_log_prob(trainer, state, exp, chunks):
         "training/old_log_prob_recomputed": 1.0,
         "training/rollout_probs_diff_max": float(mx),
         "training/rollout_probs_diff_mean": float(mean)})
+
+def _collect_rewards(state, exp, chunks):
+    """The reward pool's scores of `exp` (when they were left in flight)."""
+    if exp.pending_rewards is None:
+        return exp
+    return exp._replace(scores=exp.pending_rewards.result().scores, pending_rewards=None)
 
 def _ref_log_prob(trainer, state, exp, chunks):
     """The reference's log-probs: its own parameters, or the LoRA actor's frozen base run

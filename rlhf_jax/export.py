@@ -39,7 +39,8 @@ def _abstract_train_state(model, optim_cfg) -> ts.TrainState:
 
 
 def checkpoint_template(cfg) -> dict:
-    """Shapes and dtypes of what `Trainer` saves for `cfg` (actor, critic, ref)."""
+    """Shapes and dtypes of what `Trainer` saves for `cfg` (actor, critic, ref, and the
+    one-step-off mode's older rollout weights)."""
     arr = cfg.actor_rollout_ref
     actor = roles.actor_model(cfg)
     optim = lambda o, clip: ts.OptimConfig.from_config(o, clip, 1)
@@ -50,6 +51,8 @@ def checkpoint_template(cfg) -> dict:
                                                              cfg.critic.grad_clip))
     if (cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss) and actor.cfg.lora is None:
         out["ref"] = actor.abstract_params()  # (a LoRA actor's reference is its base)
+    if not arr.hybrid_engine and cfg.async_training.max_staleness:  # the rollout's weights
+        out["behaviour"] = (actor.abstract_params(),) * cfg.async_training.max_staleness
     return out
 
 

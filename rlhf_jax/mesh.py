@@ -40,6 +40,9 @@ class MeshSpec:
     train_rules: Rules = ()
     generate_rules: Rules = ()
     name: str = "custom"
+    # The one-step-off mode's rollout sub-mesh (None: the rollout generates on the train
+    # mesh): its axis sizes, on the devices after the train mesh's.
+    rollout_sizes: tuple[int, int, int] | None = None
 
 
 def _parse_rules(raw: Mapping[str, Any] | None, where: str) -> Rules:
@@ -95,7 +98,8 @@ def load_mesh_spec(preset: str, overrides: Mapping[str, int | None] | None = Non
         known = ", ".join(sorted(p.stem for p in MESHES_DIR.glob("*.yaml")))
         raise ConfigError(f"mesh preset {preset!r} not found (known: {known})")
     raw = yaml.safe_load(path.read_text()) or {}
-    unknown = set(raw) - {"sizes", "dcn_sizes", "rules", "train_rules", "generate_rules"}
+    unknown = set(raw) - {"sizes", "dcn_sizes", "rules", "train_rules", "generate_rules",
+                          "rollout_sizes"}
     if unknown:
         raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r}")
     shared = _named_rules(raw.get("rules"), path)
@@ -116,6 +120,8 @@ def load_mesh_spec(preset: str, overrides: Mapping[str, int | None] | None = Non
                                      **(raw.get("generate_rules") or {})},
                                     f"{path} generate_rules"),
         name=path.stem,
+        rollout_sizes=None if raw.get("rollout_sizes") is None
+        else _sizes(raw["rollout_sizes"], f"{path} rollout_sizes", 1),
     )
 
 

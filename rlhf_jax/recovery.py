@@ -24,7 +24,8 @@ from rlhf_jax.rollback import RollbackLimit
 # Settings that change which arrays a run state holds, or their shapes.
 STRUCTURAL = ("critic.enable", "actor_rollout_ref.actor.use_kl_loss",
               "algorithm.use_kl_in_reward", "actor_rollout_ref.model.", "critic.model.",
-              "actor_rollout_ref.actor.optim.", "critic.optim.")
+              "actor_rollout_ref.actor.optim.", "critic.optim.", "actor_rollout_ref.hybrid_engine",
+              "async_training.")
 
 
 class RunState(NamedTuple):
@@ -40,6 +41,9 @@ class RunState(NamedTuple):
     watch: Any = None  # `RollbackWatch.state()`
     recent_scores: tuple[float, ...] = ()  # critic/score/mean of the last 5 steps
     rollbacks: int = 0
+    # The one-step-off mode: the rollout's weights of steps step - max_staleness .. step - 1
+    # (generate layout), with which the batches in flight were generated (async_rollout.py).
+    behaviour: tuple = ()
 
     def arrays(self) -> dict:
         """The arrays of a checkpoint (orbax)."""
@@ -48,6 +52,8 @@ class RunState(NamedTuple):
             out["critic"] = self.critic
         if self.ref is not None:
             out["ref"] = self.ref
+        if self.behaviour:
+            out["behaviour"] = self.behaviour
         return out
 
     def meta(self, cfg) -> dict:
@@ -62,7 +68,8 @@ class RunState(NamedTuple):
         """This state with a checkpoint's contents (the rollback count is kept)."""
         return self._replace(
             actor=arrays["actor"], critic=arrays.get("critic", self.critic),
-            ref=arrays.get("ref", self.ref), step=step, loader=meta["loader"],
+            ref=arrays.get("ref", self.ref), behaviour=arrays.get("behaviour", self.behaviour),
+            step=step, loader=meta["loader"],
             epoch=int(meta.get("epoch", 0)),
             kl=KLControllerState(jax.numpy.asarray(meta["kl_coef"], jax.numpy.float32)),
             watch=meta["watch"], recent_scores=tuple(meta["recent_scores"]))

@@ -7,6 +7,7 @@ the rollout engine generates from the actor's parameters moved to the **generate
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +15,22 @@ import jax
 import numpy as np
 
 from rlhf_jax import lora
-from rlhf_jax.errors import ModelError
-from rlhf_jax.mesh import MeshSpec, load_mesh_spec, make_mesh
+from rlhf_jax.errors import ConfigError, ModelError
+from rlhf_jax.mesh import MeshSpec, ensure_host_devices, load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, load_model_config
 from rlhf_jax.models.hf_io import load_hf_params, save_hf
 
 
 @dataclasses.dataclass
 class Layouts:
-    mesh: Any
+    mesh: Any  # the train mesh
     spec: MeshSpec
+    rollout_mesh: Any = None  # the one-step-off mode's rollout devices (None: `mesh`)
+
+    @property
+    def gen_mesh(self):
+        """The mesh the rollout engine generates on."""
+        return self.mesh if self.rollout_mesh is None else self.rollout_mesh
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -35,11 +42,38 @@ class Layouts:
 
 
 def build_mesh(cfg) -> Layouts:
+    """The train mesh, and the one-step-off mode's rollout mesh when the preset has
+    `rollout_sizes` (on the devices after the train mesh's)."""
     m = cfg.mesh
     sizes = {k: getattr(m, k) for k in
              ("data", "fsdp", "tensor", "dcn_data", "dcn_fsdp", "dcn_tensor")}
     spec = load_mesh_spec(m.preset, sizes)
-    return Layouts(make_mesh(spec), spec)
+    if spec.rollout_sizes is None:
+        return _one_host(cfg, Layouts(make_mesh(spec), spec))
+    if cfg.actor_rollout_ref.hybrid_engine:
+        raise ConfigError(f"mesh {spec.name} has rollout_sizes, devices of their own for the "
+                          "rollout: set actor_rollout_ref.hybrid_engine=false")
+    if -1 in spec.sizes or -1 in spec.rollout_sizes or spec.dcn_sizes != (1, 1, 1):
+        raise ConfigError(f"mesh {spec.name}: with rollout_sizes, give every size (no -1) "
+                          "and no dcn_sizes")
+    n_train, n_roll = math.prod(spec.sizes), math.prod(spec.rollout_sizes)
+    ensure_host_devices(n_train + n_roll)
+    devices = jax.devices()
+    if len(devices) < n_train + n_roll:
+        raise ConfigError(f"mesh {spec.name} needs {n_train} train + {n_roll} rollout "
+                          f"devices, {len(devices)} are available")
+    rollout = dataclasses.replace(spec, sizes=spec.rollout_sizes)
+    return _one_host(cfg, Layouts(make_mesh(spec, devices[:n_train]), spec,
+                                  make_mesh(rollout, devices[n_train:n_train + n_roll])))
+
+
+def _one_host(cfg, layouts: Layouts) -> Layouts:
+    # After the meshes: asking for the process count starts the backend, which must come
+    # after the simulated CPU device count is set.
+    if not cfg.actor_rollout_ref.hybrid_engine and jax.process_count() > 1:
+        raise ConfigError("actor_rollout_ref.hybrid_engine: false runs on one host for now; "
+                          "set it true for a multi-host run")
+    return layouts
 
 
 def load_or_init(model: Model, path: str | Path | None, layouts: Layouts, rng) -> Any:
@@ -69,7 +103,7 @@ def engine(cfg, model: Model, layouts: Layouts, gen_params):
     from rlhf_jax.rollout import Engine, memory
 
     ro, d, rules = cfg.actor_rollout_ref.rollout, cfg.data, layouts.spec.generate_rules
-    eng = Engine(model.with_layout(layouts.mesh, rules), layouts.mesh, rules,
+    eng = Engine(model.with_layout(layouts.gen_mesh, rules), layouts.gen_mesh, rules,
                  max_concurrent_decodes=ro.max_concurrent_decodes,
                  max_prefill_length=d.max_prompt_length, max_decode_length=d.max_response_length,
                  prefill_buckets=ro.prefill_buckets)

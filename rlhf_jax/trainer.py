@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlhf_jax import (
+    async_rollout,
     batching,
     distributed,
     dynamic_sampling,
@@ -32,12 +33,13 @@ from rlhf_jax import (
     offload,
     packing,
     paths,
-    ppo,
     preflight,
     programs,
+    reward_pool,
     roles,
     sft,
     tasks,
+    updates,
 )
 from rlhf_jax import train_steps as ts
 from rlhf_jax import validation as val_metrics
@@ -87,6 +89,7 @@ class Trainer:
         self._build_data()
         fn = cfg.reward.custom_reward_function
         self.reward_fn = load_custom_reward_fn(fn.path, fn.name) if fn.path else None
+        self.reward_pool = reward_pool.from_config(cfg)  # None: rewards scored inline
         self.offload = offload.plan(cfg)  # before the first state is placed
         self.state = self._build_roles()
         t = cfg.trainer
@@ -98,8 +101,8 @@ class Trainer:
                                          max_to_keep=t.max_ckpt_to_keep)
         self.recovery = Recovery(cfg, self.checkpointer, self.trainable, self.lora_bases)
         self.watch = RollbackWatch.from_config(t.rollback)
-        self.state = self.state._replace(watch=self.watch.state(),
-                                         loader=self.train_loader.get_state())
+        self.state = async_rollout.with_behaviour(self, self.state._replace(
+            watch=self.watch.state(), loader=self.train_loader.get_state()))
         self.stages = experience_stages(self)
         # Test-only: `fault_hook(trainer, metrics) -> metrics` runs after each step, before the
         # rollback checks (tests inject NaNs and spikes with it; no config key reaches it).
@@ -192,7 +195,7 @@ class Trainer:
                 self.critic_model, critic_params, self.critic_optim)
         self.lora_bases = lora.Bases({"actor": self.actor_model, "critic": self.critic_model},
                                      {"actor": arr.model.path, "critic": path}, lay)
-        self.gen_shardings = self.actor_model.shardings(lay.mesh, lay.spec.generate_rules)
+        self.gen_shardings = self.actor_model.shardings(lay.gen_mesh, lay.spec.generate_rules)
         self.weight_sync = lora.WeightSync(self.actor_model, self.gen_shardings)
         self.gen_params, self.sync_bytes = self.weight_sync(actor.params)
         self.engine, self.rollout_budget = roles.engine(
@@ -225,11 +228,13 @@ class Trainer:
             eos_ids=tuple(self.tokenizer.eos_token_ids), pad_id=self.tokenizer.pad_token_id,
         )
 
-    def generate(self, batch, n: int, sampling: SamplingParams, seed) -> Experience:
-        """`n` responses for each prompt of `batch` from the engine's current weights."""
+    def generate(self, batch, n: int, sampling: SamplingParams, seed, params=None
+                 ) -> Experience:
+        """`n` responses for each prompt of `batch` from the engine's current weights (or
+        `params`, in the generate layout)."""
         out = generate_sequences(
-            self.engine, self.gen_params, batch.input_ids, batch.attention_mask, n=n,
-            sampling=sampling, rng=seed,
+            self.engine, self.gen_params if params is None else params, batch.input_ids,
+            batch.attention_mask, n=n, sampling=sampling, rng=seed,
         )
         responses, response_mask = np.asarray(out.responses), np.asarray(out.response_mask)
         seqs = ts.Sequences.padded(
@@ -245,7 +250,10 @@ class Trainer:
 
     def reward(self, batch, exp: Experience, n: int) -> Rewards:
         """The responses' rewards: the reward function's scores and extra info, with DAPO's
-        overlong penalty (`reward_model.overlong_buffer`) when it is on."""
+        overlong penalty (`reward_model.overlong_buffer`) when it is on; with a reward pool
+        (`reward.num_workers`) its workers score the samples."""
+        if self.reward_pool is not None:
+            return reward_pool.submit(self, batch, exp, n).result()
         return score_responses(self.tokenizer, batch, exp.seqs.targets, exp.response_mask, n,
                                self.cfg, custom_fn=self.reward_fn)
 
@@ -261,39 +269,57 @@ class Trainer:
         """One forward pass over the step's sequences (`programs.forward`)."""
         return programs.forward(self, name, params, seqs, chunks)
 
-    def _sampled(self, batch, seed, timer: Timer) -> tuple[Experience, Rewards]:
+    def _sampled(self, batch, seed, timer: Timer, params=None, defer: bool = False
+                 ) -> tuple[Experience, Rewards | None]:
         """gen (and ReMax's gen_max) -> reward on `batch`: the scored experience and the
-        rewards it was scored with."""
+        rewards it was scored with; with `defer` and a reward pool, the experience with its
+        rewards in flight (`pending_rewards`; the "reward" stage collects them) and None."""
         n = self.cfg.actor_rollout_ref.rollout.n
         with timer("gen"):
-            exp = self.generate(batch, n, self.sampling(), seed)
+            exp = self.generate(batch, n, self.sampling(), seed, params)
         if "reward_baselines" in self.estimator.needs:
             with timer("gen_max"):  # verl's ReMax: one greedy response per prompt
-                greedy = self.generate(batch, 1, self.sampling(greedy=True), seed)
+                greedy = self.generate(batch, 1, self.sampling(greedy=True), seed, params)
         with timer("reward"):
-            rewards = self.reward(batch, exp, n)
-            exp = exp._replace(scores=rewards.scores)
+            rewards = None
+            if defer and self.reward_pool is not None:
+                exp = exp._replace(pending_rewards=reward_pool.submit(self, batch, exp, n))
+            else:
+                rewards = self.reward(batch, exp, n)
+                exp = exp._replace(scores=rewards.scores)
             if "reward_baselines" in self.estimator.needs:
                 exp = exp._replace(reward_baselines=np.repeat(self.score(batch, greedy, 1), n))
         return exp, rewards
 
-    def make_experience(self, batch, state: RunState) -> Experience:
+    def rollout(self, batch, step: int, params=None) -> Experience:
+        """Step `step`'s sampled experience of `batch` (gen, reward), with its times: the
+        first half of `make_experience`, which the one-step-off mode runs on its own."""
+        timer = Timer()
+        seed = jax.random.fold_in(jax.random.key(self.cfg.trainer.seed + 1), step)
+        exp, _ = self._sampled(batch, seed, timer, params, defer=True)
+        return exp._replace(times=timer.times)
+
+    def make_experience(self, batch, state: RunState, rolled: Experience | None = None
+                        ) -> Experience:
         """Step `state.step`'s experience of `batch`: every field a stage fills, the
         metrics of the stages and their times. Reads `state`, changes nothing, except that
         DAPO's dynamic sampling (`algorithm.filter_groups`) draws more batches of prompts
-        from the train loader until enough groups pass (`step` records where it is)."""
+        from the train loader until enough groups pass (`step` records where it is).
+        `rolled`: the batch's `rollout`, made already (the one-step-off mode)."""
         n = self.cfg.actor_rollout_ref.rollout.n
         seed = jax.random.fold_in(jax.random.key(self.cfg.trainer.seed + 1), state.step)
         timer = Timer()
         groups = self.cfg.algorithm.filter_groups
-        if groups.enable:  # generation batch k > 0 samples with its own key
+        if rolled is not None:
+            exp, timer.times = rolled, dict(rolled.times)
+        elif groups.enable:  # generation batch k > 0 samples with its own key
             sample = lambda b, k: self._sampled(b, jax.random.fold_in(seed, k) if k else seed,
                                                 timer)
             exp = dynamic_sampling.fill(
                 sample, self._next_batch, batch, n=n, prompts=self.cfg.data.train_batch_size,
                 metric=groups.metric, max_num_gen_batches=groups.max_num_gen_batches)
         else:
-            exp, _ = self._sampled(batch, seed, timer)
+            exp, _ = self._sampled(batch, seed, timer, defer=True)
         chunks = functools.cache(lambda: self._chunks(exp.seqs))  # padded passes only
         for stage in self.stages:
             if stage.name is None:
@@ -312,42 +338,6 @@ class Trainer:
         return batching.arrange(exp.seqs, extra, order, self.layouts.mesh,
                                 self.layouts.batch_axes, plan)
 
-    def _update_critic(self, state: RunState, exp: Experience):
-        """The critic's update; with `values_in_update` it also fills the values and the
-        advantages (whitened over the whole batch, as GAE's are) and returns."""
-        plan = self.critic_plan
-        order = plan.order(self.cfg.trainer.seed * 7919 + state.step)
-        if not self.values_in_update:
-            extra = {"values": batching.fetch(exp.values), "returns": exp.returns}
-            (seqs, ex), tok, sq, _ = self._arranged("critic", order, exp, extra)
-            critic, m = self.critic_update(
-                state.critic, ts.CriticBatch(seqs, ex["values"], ex["returns"], tok, sq))
-            return state._replace(critic=critic), exp, jax.device_get(m)
-        extra = {"rewards": batching.fetch(exp.token_rewards)}
-        (seqs, ex), tok, sq, unarrange = self._arranged("critic", order, exp, extra)
-        critic, m, outs = self.critic_update_from_rollout(
-            state.critic, ts.CriticRolloutBatch(seqs, ex["rewards"], tok, sq))
-        values, adv, returns = (unarrange(x) for x in batching.fetch(outs))
-        mask = jax.numpy.asarray(exp.response_mask, jax.numpy.float32)
-        adv = batching.fetch(ppo.whiten(adv, mask))
-        exp = exp._replace(values=values, advantages=adv, returns=returns)
-        return state._replace(critic=critic), exp, jax.device_get(m)
-
-    def _update_actor(self, state: RunState, exp: Experience):
-        plan = self.actor_plan
-        order = plan.order(self.cfg.trainer.seed * 7919 + state.step + 1)
-        old = batching.fetch(exp.old_log_probs)
-        ref = batching.fetch(exp.ref_log_probs) if exp.ref_log_probs is not None \
-            else np.zeros_like(old)
-        extra = {"old": old, "adv": exp.advantages, "ref": ref}
-        if exp.rollout_is_weights is not None:  # rollout correction's IS weights
-            extra["is_weights"] = exp.rollout_is_weights
-        (seqs, ex), tok, sq, _ = self._arranged("actor", order, exp, extra)
-        actor, m = self.actor_update(
-            state.actor, ts.ActorBatch(seqs, ex["old"], ex["adv"], ex["ref"], tok, sq,
-                                       ex.get("is_weights")))
-        return state._replace(actor=actor), jax.device_get(m)
-
     def learn(self, state: RunState, exp: Experience) -> tuple[RunState, dict]:
         """update_critic -> update_actor (after `trainer.critic_warmup` steps) ->
         update_weights on `exp`; the new state and the step's metrics (the experience's
@@ -359,11 +349,11 @@ class Trainer:
                                                           len(exp.scores)))
         if state.critic is not None:
             with timer("update_critic"):
-                state, exp, m = self._update_critic(state, exp)
+                state, exp, m = updates.update_critic(self, state, exp)
                 metrics.update(m)
         if state.step >= cfg.trainer.critic_warmup:
             with timer("update_actor"):
-                state, m = self._update_actor(state, exp)
+                state, m = updates.update_actor(self, state, exp)
                 metrics.update(m)
             with timer("update_weights"):
                 self.sync_weights(state.actor.params)
@@ -391,6 +381,10 @@ class Trainer:
             state = state._replace(loader=self.train_loader.get_state(),
                                    epoch=self.train_loader.epoch)
         state, metrics = self.learn(state, exp)
+        return state, self.step_metrics(exp, metrics, start)
+
+    def step_metrics(self, exp: Experience, metrics: dict, start: float) -> dict:
+        """The step's metrics with its time (since `start`), `perf/*` and memory."""
         metrics["timing_s/step"] = time.perf_counter() - start
         c = self.cfg
         metrics.update(step_perf(
@@ -399,7 +393,7 @@ class Trainer:
             else None, c.critic.ppo_epochs))
         metrics.update(timing_per_token_ms(metrics, exp.prompt_mask.sum(), exp.sampled_mask.sum()))
         metrics.update(memory_metrics())
-        return state, {k: float(v) for k, v in metrics.items()}
+        return {k: float(v) for k, v in metrics.items()}
 
     def validate(self) -> dict:
         """verl's `val-core/...` and `val-aux/...` metrics of `val_kwargs.n` responses per
@@ -435,6 +429,13 @@ class Trainer:
         except StopIteration:  # an epoch ended: the loader moved to the next one
             return next(self.train_loader)
 
+    def _next_step(self) -> tuple[RunState, dict]:
+        """The synchronous step: the next batch, made into experience and learnt."""
+        batch = self._next_batch()
+        return self.step(batch, self.state._replace(
+            step=self.global_step + 1, loader=self.train_loader.get_state(),
+            epoch=self.train_loader.epoch))
+
     def start(self) -> None:
         """Resumes from a checkpoint (`trainer.resume_mode`), or starts afresh: the SFT
         warm start, validation before training, the rollback target of step 0."""
@@ -458,28 +459,32 @@ class Trainer:
     def run(self) -> list[dict]:
         """Trains to `total_steps` (or the early stop); returns every logged step's metrics."""
         self.history: list[dict] = []
+        pipeline = None
         try:
             self.start()
             if self.global_step + 1 in (self.cfg.trainer.profile_steps or ()):
                 jax.profiler.start_trace(str(self.run_dir / paths.PROFILE))  # the hook stops it
             if self.global_step < self.total_steps:
                 self.precompile.wait(self.progress)  # says so while the step's programs compile
+                pipeline = async_rollout.start(self)  # None: the synchronous loop
             while self.global_step < self.total_steps:
-                batch = self._next_batch()
-                state = self.state._replace(step=self.global_step + 1,
-                                            loader=self.train_loader.get_state(),
-                                            epoch=self.train_loader.epoch)
-                with self.progress.phase(f"step {state.step}, the first of this process "
-                                         "(its programs' first calls)", min_seconds=5.0) \
+                with self.progress.phase(f"step {self.global_step + 1}, the first of this "
+                                         "process (its programs' first calls)",
+                                         min_seconds=5.0) \
                         if not self.history else contextlib.nullcontext():
-                    state, metrics = self.step(batch, state)
-                metrics["training/epoch"] = float(self.train_loader.epoch)
+                    state, metrics = self._next_step() if pipeline is None \
+                        else pipeline.step(self.state)
+                metrics["training/epoch"] = float(state.epoch)
                 info = StepInfo(state.step, metrics, final=state.step == self.total_steps)
                 self.state = state
                 self.state = self.hooks.run(self.state, info)
+                if pipeline is not None:
+                    pipeline.follow(self.state)  # a rollback restarts the batches in flight
                 if info.stop:
                     break
         finally:
+            if pipeline is not None:
+                pipeline.close()
             self.checkpointer.close()
             for tracker in self.trackers:
                 tracker.close()

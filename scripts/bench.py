@@ -14,6 +14,11 @@ figure is a ratio to a reference measured in the same run, on the same machine:
 - `packing.speedup`, `packing.tokens_per_s`, `packing.flop_bound_ratio` (real tokens): WORKLOAD.md's
   workload 2 (variable lengths) on the real trainer, packed (verl's use_remove_padding +
   use_dynamic_bsz) over padded to 128 + 512, in turns; `packing.compiles_after_warmup`.
+- `async.reward_hidden_fraction`: the PPO iteration with a reward that sleeps 20 ms a sample,
+  inline against a pool of 8 workers (`reward.num_workers`), in turns: the share of the reward
+  time no longer on the step's critical path. `async.speedup`: the one-step-off split (4 + 4 of
+  8 simulated CPU devices, `actor_rollout_ref.hybrid_engine=false`) over the synchronous
+  trainer on (2,2,2); on shared CPU cores it shows the mode's overheads, not a gain.
 - `mfu.ratio`: train-step model FLOP/s over the measured f32 matmul peak.
 - `reshard.ratio_to_copy`: train -> generate layout seconds over a copy of the same bytes.
 - `gae.speedup`: verl's NumPy GAE loop seconds over the compiled GAE's.

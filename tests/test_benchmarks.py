@@ -3,6 +3,7 @@
 No timing assertions: the machine is shared, only the shape and sanity of the output count.
 """
 
+import importlib
 import math
 import re
 import sys
@@ -177,6 +178,15 @@ def test_reshard_small():
     assert out["reshard.bytes_written"] > 2 * out["reshard.param_bytes"]
 
 
+@pytest.mark.slow  # four small trainers, two of them on 8 simulated devices: ~2 minutes
+def test_async_small():
+    out = importlib.import_module("rlhf_jax.benchmarks.async").run(small=True)
+    _finite(out, "async.")
+    assert out["async.reward_inline_seconds"] >= 4 * 0.02  # 4 samples, 20 ms each, inline
+    assert out["async.reward_hidden_fraction"] <= 1 and out["async.speedup"] > 0
+    assert out["async.one_step_off.staleness"] == 1.0
+
+
 def test_a_failed_cpu_subprocess_is_one_line_error():
     from rlhf_jax.benchmarks.common import on_cpu_devices
 
@@ -200,7 +210,7 @@ def _bench_script():
 
 def test_bench_script_lists_every_benchmark():
     bench = _bench_script()
-    assert bench.available() == ["chunked_head", "decode", "gae", "lora", "memory", "mfu",
+    assert bench.available() == ["async", "chunked_head", "decode", "gae", "lora", "memory", "mfu",
                                  "packing", "ppo", "reshard", "rollout"]
     assert bench.main(["nope"]) == 2
     assert bench.main(["gae", "--trl-python", sys.executable]) == 2  # TRL goes with ppo only

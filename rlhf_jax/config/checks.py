@@ -67,7 +67,8 @@ _RULES = (
         "trainer.critic_warmup", "trainer.rollback.max_rollbacks",
         "trainer.rollback.warmup_steps", "trainer.rollback.value_loss_floor",
         "trainer.rollback.value_loss_mads", "trainer.log_val_generations",
-        "trainer.sft_warmup.max_steps", f"{_ARR}.actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef",
+        "trainer.sft_warmup.max_steps", f"{_ARR}.actor.kl_loss_coef", "reward.num_workers",
+        "async_training.max_staleness", "algorithm.kl_ctrl.kl_coef",
         f"{_ARR}.actor.lm_head_chunk_size", f"{_ARR}.ref.lm_head_chunk_size",
     )],
     ("trainer.save_freq", _FREQ),
@@ -86,6 +87,7 @@ _RULES = (
     ("trainer.rollback.value_loss_spike", _rule(lambda v: v > 1, "must be > 1")),
     ("trainer.rollback.lr_factor", _rule(lambda v: 0 < v <= 1, "must be in (0, 1]")),
     ("trainer.sft_warmup.lr", _GT0),
+    ("reward.timeout_s", _GT0),
     (f"{_ARR}.rollout.gpu_memory_utilization", _rule(lambda v: 0 < v <= 1, "must be in (0, 1]")),
     ("trainer.sft_warmup.label_smoothing", _rule(lambda v: 0 <= v < 1, "must be in [0, 1)")),
     *[(f"{o}.{k}", r) for o in _OPTIMS for k, r in (
@@ -241,6 +243,25 @@ def _check_dapo(cfg: Config) -> None:
               "KL penalty before filtering, which runs after it here; use seq_reward")
 
 
+def _check_async(cfg: Config) -> None:
+    """The reward pool's and the one-step-off mode's keys take effect, or are refused."""
+    if cfg.reward.timeout_s is not None and cfg.reward.num_workers == 0:
+        _fail("reward.timeout_s", "bounds the reward pool's samples: set reward.num_workers "
+              ">= 1 (inline scoring has no timeout)")
+    if cfg.actor_rollout_ref.hybrid_engine:
+        if cfg.async_training.max_staleness != 1:
+            _fail("async_training.max_staleness", "is read by the one-step-off mode only: "
+                  f"set {_ARR}.hybrid_engine=false")
+        return
+    if cfg.algorithm.filter_groups.enable:
+        _fail(f"{_ARR}.hybrid_engine", "false (one-step-off) generates one batch a step; "
+              "dynamic sampling (algorithm.filter_groups) draws several: turn one off")
+    if cfg.actor_rollout_ref.model.lora_rank > 0:
+        _fail(f"{_ARR}.hybrid_engine", "false (one-step-off) keeps the rollout's full weights "
+              f"of past steps; with LoRA ({_ARR}.model.lora_rank > 0) it is not supported yet: "
+              "turn one off")
+
+
 def _check_sum_pi_squared(cfg) -> None:
     """sum_pi_squared comes from the old-log-prob pass, for the estimators that read it."""
     needs = "sum_pi_squared" in get_adv_estimator(cfg.algorithm.adv_estimator).needs
@@ -391,6 +412,7 @@ def validate(cfg: Config) -> None:
     if not cfg.reward.custom_reward_function.name:
         _fail("reward.custom_reward_function.name", "must not be empty")
     _check_dapo(cfg)
+    _check_async(cfg)
     if cfg.synthetic.task is not None:
         for key, files in (("train_files", data.train_files), ("val_files", data.val_files)):
             if files is not None and len(files) != 1:

@@ -217,6 +217,10 @@ class ActorRolloutRefConfig(Section):
     actor: ActorConfig = _factory(ActorConfig)
     ref: RefConfig = _factory(RefConfig)
     rollout: RolloutConfig = _factory(RolloutConfig)
+    # verl's switch: true generates on the training devices between steps; false is the
+    # one-step-off-policy mode (rlhf_jax/async_rollout.py, `async_training.*`): the next
+    # batch is generated, on the mesh preset's `rollout_sizes` devices, while a step trains.
+    hybrid_engine: bool = True
 
 
 @_section
@@ -301,6 +305,21 @@ class CustomRewardFunctionConfig(Section):
 @_section
 class RewardConfig(Section):
     custom_reward_function: CustomRewardFunctionConfig = _factory(CustomRewardFunctionConfig)
+    # verl's key (its default 8): threads that score a batch's samples while the old
+    # log-prob, reference and value passes run (rlhf_jax/reward_pool.py). 0 here: inline,
+    # one sample after the other, before those passes (the behaviour before the pool).
+    num_workers: int = 0
+    timeout_s: float | None = None  # a sample scoring longer fails the step (null: no bound)
+
+
+@_section
+class AsyncTrainingConfig(Section):
+    """`async_training.*`: the one-step-off-policy mode (`hybrid_engine: false`)."""
+
+    # Steps a batch's weights may lag the weights it trains: step s trains on samples of the
+    # policy after step s - 1 - max_staleness. 0 is the synchronous schedule. (verl's fully
+    # async `staleness_threshold` is a share of samples, a different bound.)
+    max_staleness: int = 1
 
 
 @_section
@@ -465,6 +484,7 @@ class Config(Section):
     critic: CriticConfig = _factory(CriticConfig)
     reward_model: RewardModelConfig = _factory(RewardModelConfig)
     reward: RewardConfig = _factory(RewardConfig)
+    async_training: AsyncTrainingConfig = _factory(AsyncTrainingConfig)
     algorithm: AlgorithmConfig = _factory(AlgorithmConfig)
     trainer: TrainerConfig = _factory(TrainerConfig)
     synthetic: SyntheticConfig = _factory(SyntheticConfig)

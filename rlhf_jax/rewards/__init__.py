@@ -156,7 +156,8 @@ class RewardError(UserError):
     """A reward function raised, or returned no finite score, on one row."""
 
 
-def _row(source: str, i: int, extra: Any, row: str | None) -> str:
+def sample_name(source: str, i: int, extra: Any, row: str | None) -> str:
+    """How an error names response `i` of a batch: its data source, row and index."""
     index = extra.get("index") if isinstance(extra, Mapping) else None
     where = f"response {i} of the batch" + ("" if row is None else f", row {row}")
     where += "" if index is None else f" (extra_info.index {index})"
@@ -198,6 +199,40 @@ def score_batch(data_sources: Sequence[str], responses: Sequence[str],
                             custom_fn).raw
 
 
+def score_row(i: int, source: str, response: str, truth: Any, extra: Any, row: str | None,
+              custom_fn: Callable[..., Any] | None = None) -> tuple[float, Any]:
+    """Response `i`'s score and the scorer's whole result, checked: a scorer that raises,
+    or returns no finite score, is a one-line `RewardError` naming the sample. The inline
+    path (`score_batch_info`) and the worker pool (`reward_pool`) both score through it."""
+    at = sample_name(source, i, extra, row)
+    try:
+        if custom_fn is not None:
+            result = custom_fn(data_source=source, solution_str=response,
+                               ground_truth=truth, extra_info=extra)
+        else:
+            result = compute_result(source, response, truth, extra)
+    except ConfigError:
+        raise
+    except Exception as e:  # the scorer is user code: name the row it failed on
+        raise RewardError(f"the reward function raised on {at}: {type(e).__name__}: "
+                          f"{_first_line(e)}") from None
+    try:
+        score = _as_float(result)
+    except (TypeError, ValueError, KeyError):
+        raise RewardError(f"the reward function returned {result!r:.80} on {at}: want "
+                          "a float or a dict with a float 'score'") from None
+    if not np.isfinite(score):
+        raise RewardError(f"the reward function returned {np.float32(score)} on {at}")
+    return score, result
+
+
+def collect_info(info: dict[str, list], i: int, n: int, result: Any) -> None:
+    """Adds row `i`'s dict entries (verl's `reward_extra_info`) to `info`, N values a key."""
+    if isinstance(result, Mapping):
+        for key, value in result.items():
+            info.setdefault(key, [None] * n)[i] = value
+
+
 def score_batch_info(data_sources: Sequence[str], responses: Sequence[str],
                      ground_truths: Sequence[Any], extra_infos: Sequence[Any] | None = None,
                      custom_fn: Callable[..., Any] | None = None,
@@ -213,28 +248,9 @@ def score_batch_info(data_sources: Sequence[str], responses: Sequence[str],
     info: dict[str, list] = {}
     for i, (source, response, truth, extra) in enumerate(
             zip(data_sources, responses, ground_truths, extra_infos, strict=True)):
-        where = _row(source, i, extra, None if rows is None else rows[i])
-        try:
-            if custom_fn is not None:
-                result = custom_fn(data_source=source, solution_str=response,
-                                   ground_truth=truth, extra_info=extra)
-            else:
-                result = compute_result(source, response, truth, extra)
-        except ConfigError:
-            raise
-        except Exception as e:  # the scorer is user code: name the row it failed on
-            raise RewardError(f"the reward function raised on {where}: {type(e).__name__}: "
-                              f"{_first_line(e)}") from None
-        try:
-            scores[i] = _as_float(result)
-        except (TypeError, ValueError, KeyError):
-            raise RewardError(f"the reward function returned {result!r:.80} on {where}: want "
-                              "a float or a dict with a float 'score'") from None
-        if not np.isfinite(scores[i]):
-            raise RewardError(f"the reward function returned {scores[i]} on {where}")
-        if isinstance(result, Mapping):
-            for key, value in result.items():
-                info.setdefault(key, [None] * n)[i] = value
+        scores[i], result = score_row(i, source, response, truth, extra,
+                                      None if rows is None else rows[i], custom_fn)
+        collect_info(info, i, n, result)
     return Rewards(scores, scores, info)
 
 
@@ -251,20 +267,46 @@ def with_overlong_penalty(rewards: Rewards, lengths: np.ndarray, *, max_response
     return Rewards((rewards.scores + penalty).astype(np.float32), rewards.raw, info)
 
 
-def score_responses(tokenizer, batch, responses: np.ndarray, response_mask: np.ndarray, n: int,
-                    cfg, custom_fn=None) -> Rewards:
-    """The rewards of `n` responses per prompt of `batch` (prompt-major): each decoded up to
-    its length and scored by its row's data source (`score_batch_info`), with DAPO's overlong
-    penalty when `cfg.reward_model.overlong_buffer` is on."""
+class RewardInputs(NamedTuple):
+    """What the scorer of each of N responses is called with (prompt-major rows), and the
+    responses' lengths (DAPO's overlong penalty reads them)."""
+
+    data_sources: list
+    responses: list[str]
+    ground_truths: list
+    extra_infos: list
+    rows: list
+    lengths: np.ndarray
+
+
+def reward_inputs(tokenizer, batch, responses: np.ndarray, response_mask: np.ndarray,
+                  n: int) -> RewardInputs:
+    """`n` responses per prompt of `batch`, each decoded up to its length, with its row's
+    data source, ground truth, extra info and name."""
     lengths = response_mask.sum(-1)
     texts = [tokenizer.decode(r[: int(k)].tolist())
              for r, k in zip(responses, lengths, strict=True)]
     rep = lambda xs: [x for x in xs for _ in range(n)]
-    rewards = score_batch_info(rep(batch.data_source), texts, rep(batch.ground_truth),
-                               rep(batch.extra_info), custom_fn=custom_fn, rows=rep(batch.uid))
+    return RewardInputs(rep(batch.data_source), texts, rep(batch.ground_truth),
+                        rep(batch.extra_info), rep(batch.uid), lengths)
+
+
+def shaped(rewards: Rewards, lengths: np.ndarray, cfg) -> Rewards:
+    """`rewards` with DAPO's overlong penalty when `cfg.reward_model.overlong_buffer` is on."""
     buf = cfg.reward_model.overlong_buffer
     if not buf.enable:
         return rewards
     return with_overlong_penalty(
         rewards, lengths, max_response_length=cfg.data.max_response_length,
         buffer_len=buf.len, penalty_factor=buf.penalty_factor, log=buf.log)
+
+
+def score_responses(tokenizer, batch, responses: np.ndarray, response_mask: np.ndarray, n: int,
+                    cfg, custom_fn=None) -> Rewards:
+    """The rewards of `n` responses per prompt of `batch` (prompt-major): each decoded up to
+    its length and scored by its row's data source (`score_batch_info`), with DAPO's overlong
+    penalty when `cfg.reward_model.overlong_buffer` is on."""
+    x = reward_inputs(tokenizer, batch, responses, response_mask, n)
+    rewards = score_batch_info(x.data_sources, x.responses, x.ground_truths, x.extra_infos,
+                               custom_fn=custom_fn, rows=x.rows)
+    return shaped(rewards, x.lengths, cfg)
