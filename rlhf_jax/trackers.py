@@ -19,7 +19,7 @@ from typing import Any
 
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.paths import METRICS
-from rlhf_jax.progress import Progress, due_count, eta_seconds, fit_fields
+from rlhf_jax.progress import Progress, due_count, duration, eta_seconds, fit_fields
 
 STEP_KEY = "training/global_step"
 # Which package each optional tracker imports.
@@ -122,7 +122,7 @@ class ConsoleTracker(Tracker):
             return
         self._observe(metrics, step)
         eta = self.eta(step)
-        eta_text = "eta -" if eta is None else f"eta {_duration(eta)}"
+        eta_text = "eta -" if eta is None else f"eta {duration(eta)}"  # 0.6s, 4m05s
         fields = [(0, f"step {step}/{self.total}"), (1, eta_text)]
         for key, label, priority in self.COLUMNS:
             if key in metrics:
@@ -154,10 +154,6 @@ def _fmt(v: Any) -> str:
     v = _plain(v)
     return f"{v:.4g}" if isinstance(v, (int, float)) else str(v)
 
-
-def _duration(seconds: float) -> str:
-    s = int(round(seconds))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 # ----------------------------------------------------------------------------------- jsonl

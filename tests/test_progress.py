@@ -42,6 +42,7 @@ def test_console_eta_leaves_out_the_first_step_and_the_validations(monkeypatch):
     assert t.eta(1) is None
     t.log({"critic/score/mean": 0.1}, 2)  # 160 -> 162: a 2 s step
     assert t.eta(2) == pytest.approx(8 * 2.0)
+    assert "step 2/10 | eta 16.0s |" in t.progress.stream.getvalue()  # tenths below a minute
     t.log({"critic/score/mean": 0.1, "timing_s/testing": 5.0}, 3)  # 7 s, 5 of them validating
     # 7 steps of 2 s; validations at 6, 9 and the end (10), 5 s each
     assert t.eta(3) == pytest.approx(7 * 2.0 + 3 * 5.0)
