@@ -329,7 +329,6 @@ MODEL_CASES = {
                                        _config_without("model_type")),
     "weights of another shape": (r"tensor '.*' has shape \(\d+,\), expected one that maps to",
                                  _wider_config),
-    "no weights file": (r"safetensors", _no_weights),
     "a chat template that does not parse": (r"row 0: chat template failed", _broken_chat_template),
     "truncated safetensors": (r"model\.safetensors is truncated: \d+ bytes, its header needs",
                               _truncate_weights),
@@ -443,6 +442,20 @@ def test_degenerate_configs_are_warned_about_once(base, tmp_path):
     assert "actor_rollout_ref.actor.optim.lr is 0" in warned[1]
     cfg = tiny(base, **{"critic.optim.lr": 0})
     assert preflight.degenerate(cfg) == ["critic.optim.lr is 0: the critic does not learn"]
+
+
+def test_a_model_without_weights_is_warned_about(base, tmp_path):
+    """config.json but no safetensors: random weights (the PPO benchmark's model directory
+    does so on purpose), said once before the run starts (here it then stops on a missing
+    reward file, before compiling)."""
+    model = _model_copy(base, tmp_path)
+    _no_weights(model)
+    err = fails(base, tmp_path, r"custom reward file not found",
+                **{"actor_rollout_ref.model.path": str(model),
+                   "reward.custom_reward_function.path": str(tmp_path / "none.py")})
+    warned = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and re.search(r"model\.path .*/model has a config\.json but no "
+                                          r"\*\.safetensors weights", warned[0]), err
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -639,12 +652,12 @@ def test_chaos_five_sigkills_at_random_moments_change_no_metric(tmp_path):
     for d in (ref_dir, cut_dir):
         d.mkdir()
     ref = popen(tiny_overrides(ref_dir, **CHAOS), ref_dir)
-    assert ref.wait(timeout=900) == 0, (ref_dir / "stdout.txt").read_text()[-3000:]
+    assert ref.wait(timeout=1800) == 0, (ref_dir / "stdout.txt").read_text()[-3000:]
     rng, kills = random.Random(24), 0
     while kills < 5:
         proc = popen(tiny_overrides(cut_dir, **CHAOS), cut_dir)
         target = min(_logged_steps(cut_dir / "run") + rng.randint(0, 2), 7)
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 1200
         while proc.poll() is None and _logged_steps(cut_dir / "run") < target:
             assert time.monotonic() < deadline
             time.sleep(0.02)
@@ -657,7 +670,7 @@ def test_chaos_five_sigkills_at_random_moments_change_no_metric(tmp_path):
             assert proc.returncode == 0
             shutil.rmtree(cut_dir / "run")  # it ended before the kill: start over
     last = popen(tiny_overrides(cut_dir, **CHAOS), cut_dir)
-    assert last.wait(timeout=900) == 0, (cut_dir / "stdout.txt").read_text()[-3000:]
+    assert last.wait(timeout=1800) == 0, (cut_dir / "stdout.txt").read_text()[-3000:]
     want, got = steps_logged(ref_dir / "run"), steps_logged(cut_dir / "run")
     assert sorted(want) == sorted(got) == list(range(1, 9))
     compare(algorithmic([got[s] for s in range(1, 9)]), algorithmic([want[s] for s in
