@@ -142,6 +142,10 @@ CONFIG_CASES = {
                                 {"trainer.rollback": 5}),
     "negative learning rate": (r"actor_rollout_ref\.actor\.optim\.lr: must be >= 0",
                                {"actor_rollout_ref.actor.optim.lr": -1e-3}),
+    "an empty run directory": (r"trainer\.default_local_dir: must not be empty",
+                               {"trainer.default_local_dir": "''"}),
+    "an empty model path": (r"actor_rollout_ref\.model\.path: must not be empty",
+                            {"actor_rollout_ref.model.path": "''"}),
     "mesh that cannot fit the devices": (r"mesh \(3, -1, 1\) cannot fit 8 devices",
                                          {"mesh": "{preset: cpu-8, data: 3, fsdp: -1, "
                                                   "tensor: 1}"}),
