@@ -121,6 +121,9 @@ class Checkpointer:
         if max_to_keep is not None and max_to_keep < 1:
             raise CheckpointError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():  # before orbax's threads
+            raise CheckpointError(f"{self.directory} is a file, not a checkpoint directory; "
+                                  "move it away or set another trainer.default_local_dir")
         self.max_to_keep = max_to_keep
         self._warn_unfinished()
         _no_replica_slices()
@@ -159,7 +162,7 @@ class Checkpointer:
         self._check_space(step, state, meta)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(meta))
-        with _signals_held():
+        with signals_held():
             # force: the trainer decides when to save (also below the latest step after a
             # rollback).
             self._mgr.save(step, args=args, force=True)
@@ -360,10 +363,12 @@ class Checkpointer:
 
 
 @contextlib.contextmanager
-def _signals_held():
-    """A SIGTERM whose handler raises (scripts/train.py's) waits until orbax has started a
-    save: raised inside it, it would leave orbax's threads half-way; after it, `close()`
-    waits for the save to finish."""
+def signals_held():
+    """A SIGTERM whose handler raises (scripts/train.py's) waits until the block is done:
+    raised inside orbax's save, it would leave orbax's threads half-way; after it, `close()`
+    waits for the save to finish. The run loop holds it from a step's checkpoint to its last
+    hook (hooks.py), so a step whose checkpoint is written has its metrics logged too.
+    Nested blocks deliver a held signal once, when the outermost ends."""
     handler = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is not threading.main_thread() or not callable(handler):
         yield

@@ -151,8 +151,11 @@ class PromptDataset:
             texts, token_ids = prompts_lib.encode_prompts(self.tokenizer, prompts)
         except prompts_lib.PromptError as e:
             raise DataError(f"{path} row {e.index}: {e}") from None
+        if "reward_model" not in table.column_names:  # verl's reward reads its ground_truth
+            raise DataError(f"{path} has no column 'reward_model' ({{style, ground_truth}} in "
+                            "verl's schema: the reward function needs each row's ground_truth)")
         sources = _column(table, "data_source", "")
-        rewards = _column(table, "reward_model", None)
+        rewards = table.column("reward_model").to_pylist()
         extras = _column(table, "extra_info", None)
         for row, (text, ids) in enumerate(zip(texts, token_ids, strict=True)):
             if len(ids) > limit:

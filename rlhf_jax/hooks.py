@@ -14,6 +14,7 @@ returns the run state, replaced where it acts on it (a rollback restores an olde
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -24,6 +25,7 @@ import jax
 import numpy as np
 
 from rlhf_jax import paths
+from rlhf_jax.checkpoint import signals_held
 
 
 @dataclasses.dataclass
@@ -40,12 +42,14 @@ class StepInfo:
 @dataclasses.dataclass(frozen=True)
 class Hook:
     """`fn` after every `every`-th step (0 or less: never), and after the last one (the
-    run's end or an early stop) when `at_end`."""
+    run's end or an early stop) when `at_end`. From the first hook with `held` on, a SIGTERM
+    waits until the step's last hook has run (`checkpoint.signals_held`)."""
 
     name: str
     fn: Callable[[Any, StepInfo], Any]
     every: int = 1
     at_end: bool = False
+    held: bool = False
 
     def due(self, info: StepInfo) -> bool:
         if self.every > 0 and info.step % self.every == 0:
@@ -59,15 +63,21 @@ class HookList:
     def __init__(self):
         self.hooks: list[Hook] = []
 
-    def add(self, name: str, fn, *, every: int = 1, at_end: bool = False) -> None:
-        self.hooks.append(Hook(name, fn, every, at_end))
+    def add(self, name: str, fn, *, every: int = 1, at_end: bool = False,
+            held: bool = False) -> None:
+        self.hooks.append(Hook(name, fn, every, at_end, held))
 
     def run(self, state, info: StepInfo):
-        for hook in self.hooks:
-            if info.rolled_back:
-                break
-            if hook.due(info):
-                state = hook.fn(state, info)
+        with contextlib.ExitStack() as stack:
+            holding = False
+            for hook in self.hooks:
+                if info.rolled_back:
+                    break
+                if hook.held and not holding:
+                    stack.enter_context(signals_held())
+                    holding = True
+                if hook.due(info):
+                    state = hook.fn(state, info)
         return state
 
     @property
@@ -95,7 +105,10 @@ def trainer_hooks(trainer) -> HookList:
     if t.test_freq > 0:
         hooks.add("validation", functools.partial(_validation, trainer), every=t.test_freq,
                   at_end=True)
-    hooks.add("checkpoint", functools.partial(_checkpoint, trainer), every=t.save_freq, at_end=True)
+    # Held from the checkpoint on: a SIGTERM during a save stops the run once the step's
+    # metrics are logged, so the checkpoint it resumes from is never of an unlogged step.
+    hooks.add("checkpoint", functools.partial(_checkpoint, trainer), every=t.save_freq,
+              at_end=True, held=True)
     hooks.add("trackers", functools.partial(_trackers, trainer))
     if t.profile_steps:
         hooks.add("profiler", functools.partial(_profiler, trainer))

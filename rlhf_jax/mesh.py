@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
+from rlhf_jax.config.loader import read_yaml
 from rlhf_jax.errors import ConfigError
 from rlhf_jax.paths import MESHES_DIR, RULES_DIR
 
@@ -62,11 +62,16 @@ def _parse_rules(raw: Mapping[str, Any] | None, where: str) -> Rules:
 
 
 def _sizes(raw: Mapping[str, Any] | None, where: str, default: int) -> tuple[int, int, int]:
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: sizes must be a mapping of axis: size, got {raw!r}")
     raw = dict(raw or {})
     unknown = set(raw) - set(AXES)
     if unknown:
         bad = sorted(unknown)[0]
         raise ConfigError(f"{where}: unknown mesh axis {bad!r} (axes: data, fsdp, tensor)")
+    if any(not isinstance(raw.get(a, default), int) or isinstance(raw.get(a), bool)
+           for a in AXES):
+        raise ConfigError(f"{where}: sizes must be integers, got {raw}")
     sizes = tuple(int(raw.get(a, default)) for a in AXES)
     if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
         raise ConfigError(f"{where}: sizes must be >= 1 with at most one -1, got {sizes}")
@@ -81,7 +86,7 @@ def _named_rules(name: str | None, where: Path) -> dict:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in RULES_DIR.glob("*.yaml")))
         raise ConfigError(f"{where}: rules {name!r} not found in {RULES_DIR} (known: {known})")
-    return yaml.safe_load(path.read_text()) or {}
+    return read_yaml(path)
 
 
 def load_mesh_spec(preset: str, overrides: Mapping[str, int | None] | None = None) -> MeshSpec:
@@ -97,7 +102,7 @@ def load_mesh_spec(preset: str, overrides: Mapping[str, int | None] | None = Non
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in MESHES_DIR.glob("*.yaml")))
         raise ConfigError(f"mesh preset {preset!r} not found (known: {known})")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = read_yaml(path)  # names the file and line of a YAML error
     unknown = set(raw) - {"sizes", "dcn_sizes", "rules", "train_rules", "generate_rules",
                           "rollout_sizes"}
     if unknown:

@@ -90,6 +90,15 @@ def degenerate(cfg) -> list[str]:
         out.append("actor_rollout_ref.actor.optim.lr is 0: the actor does not learn")
     if cfg.critic.enable and cfg.critic.optim.lr == 0:
         out.append("critic.optim.lr is 0: the critic does not learn")
+    roles = [("actor_rollout_ref.model.path", arr.model.path)]
+    if cfg.critic.enable and cfg.critic.model.path:
+        roles.append(("critic.model.path", cfg.critic.model.path))
+    for key, path in roles:  # a synthetic task writes its weights later
+        path = Path(path).expanduser()
+        if cfg.synthetic.task is None and (path / "config.json").is_file() \
+                and not any(path.glob("*.safetensors")):
+            out.append(f"{key} {path} has a config.json but no *.safetensors weights: it "
+                       "starts from random weights")
     return out
 
 

@@ -61,11 +61,14 @@ class RunState(NamedTuple):
         return {
             "good": True, "step": self.step, "epoch": self.epoch, "loader": self.loader,
             "kl_coef": float(self.kl.kl_coef), "watch": self.watch,
-            "recent_scores": list(self.recent_scores), "config": to_dict(cfg),
+            "recent_scores": list(self.recent_scores), "rollbacks": self.rollbacks,
+            "config": to_dict(cfg),
         }
 
     def loaded(self, step: int, arrays: dict, meta: dict) -> RunState:
-        """This state with a checkpoint's contents (the rollback count is kept)."""
+        """This state with a checkpoint's contents, but for the rollback count: a rollback
+        keeps its own (`Recovery.roll_back`), a resume takes the checkpoint's
+        (`Recovery.restore`)."""
         return self._replace(
             actor=arrays["actor"], critic=arrays.get("critic", self.critic),
             ref=arrays.get("ref", self.ref), behaviour=arrays.get("behaviour", self.behaviour),
@@ -121,6 +124,8 @@ class Recovery:
             if not path.name.isdigit():
                 raise CheckpointError(f"trainer.resume_from_path: {path} is not a checkpoint "
                                       "step folder (<run>/checkpoints/<step>)")
+            if not path.is_dir():  # before orbax creates its parent
+                raise CheckpointError(f"trainer.resume_from_path: {path} not found")
             with Checkpointer(path.parent) as source:
                 got = source.restore(int(path.name), target_state=target)
             origin = str(path)
@@ -132,7 +137,10 @@ class Recovery:
             if got is None:
                 return None
             origin = str(self.checkpointer.directory / str(got.step))
-        return self._loaded(state, got), origin
+        # The rollback count goes on across restarts, so max_rollbacks bounds the whole run
+        # (checkpoints written before it was saved count 0).
+        state = self._loaded(state, got)
+        return state._replace(rollbacks=int(got.meta.get("rollbacks", 0))), origin
 
     def _other_config(self, error: CheckpointError) -> CheckpointError:
         """`error`, or what it likely means: the directory holds another configuration's

@@ -53,7 +53,7 @@ from rlhf_jax.hooks import StepInfo, trainer_hooks
 from rlhf_jax.metrics import Timer, data_metrics, memory_metrics, step_perf, timing_per_token_ms
 from rlhf_jax.progress import Progress
 from rlhf_jax.recovery import Recovery, RunState
-from rlhf_jax.rewards import Rewards, load_custom_reward_fn, score_responses
+from rlhf_jax.rewards import Rewards, reward_fn_for, score_responses
 from rlhf_jax.rollback import RollbackWatch
 from rlhf_jax.rollout import SamplingParams, generate_sequences
 from rlhf_jax.tokenizer import load_tokenizer
@@ -87,8 +87,8 @@ class Trainer:
         model_cfg = cfg.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
         self._build_data()
-        fn = cfg.reward.custom_reward_function
-        self.reward_fn = load_custom_reward_fn(fn.path, fn.name) if fn.path else None
+        self.reward_fn = reward_fn_for(cfg.reward.custom_reward_function, self.train_loader,
+                                       self.val_loader)
         self.reward_pool = reward_pool.from_config(cfg)  # None: rewards scored inline
         self.offload = offload.plan(cfg)  # before the first state is placed
         self.state = self._build_roles()

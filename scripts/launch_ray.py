@@ -5,7 +5,8 @@ a local one, reserves one placement-group bundle per host (STRICT_SPREAD: one no
 starts one `HostWorker` actor per bundle, gives every actor the jax coordinator address of
 actor 0 and runs the trainer in all of them; together they form one `jax.distributed` job
 over one global mesh. The first actor to fail brings the job down: the others are killed, its
-error is printed and the launcher exits non-zero (2 for a configuration error, else 1).
+error is printed on one line and the launcher exits 2, as scripts/train.py does for every
+failure (a configuration error, a host that raises, a host whose process dies).
 
 A local cluster has one node, so its actors share it (placement SPREAD); that is a test set-up
 (`--cpu-devices-per-host 4` simulates 4 CPU devices per process), not a multi-host run.
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 from rlhf_jax.config import load_config
-from rlhf_jax.errors import UserError
+from rlhf_jax.errors import UserError, one_line
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_tiny_cpu.yaml"
 PLACEMENTS = {"strict_spread": "STRICT_SPREAD", "spread": "SPREAD", "pack": "PACK"}
@@ -56,18 +57,18 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _cause(exc: BaseException) -> tuple[str, bool]:
-    """The one-line message of an actor's failure, and whether it is a user error."""
+def _cause(exc: BaseException) -> str:
+    """The one-line message of an actor's failure."""
     import ray.exceptions
 
     if isinstance(exc, ray.exceptions.RayTaskError):  # the actor raised: its own exception
         cause = exc.cause if exc.cause is not None else exc
         if isinstance(cause, UserError):
-            return str(cause).strip().splitlines()[0], True
+            return str(cause).strip().splitlines()[0]
         lines = str(cause).strip().splitlines()
-        return f"{type(cause).__name__}: {lines[0] if lines else ''}", False
+        return f"{type(cause).__name__}: {lines[0] if lines else ''}"
     lines = str(exc).strip().splitlines()  # the actor's process died (killed, os._exit, OOM)
-    return f"its process died ({type(exc).__name__}: {lines[0] if lines else ''})", False
+    return f"its process died ({type(exc).__name__}: {lines[0] if lines else ''})"
 
 
 def _actor_env(args) -> dict[str, str]:
@@ -234,8 +235,7 @@ def launch(args) -> int:
             try:
                 results[i] = ray.get(done[0])
             except Exception as e:  # the first failure ends the job
-                message, user = _cause(e)
-                return _fail(f"host {i} of {n} failed: {message}", 2 if user else 1)
+                return _fail(f"host {i} of {n} failed: {_cause(e)}", 2)
             print(f"launch_ray: host {i} finished ({results[i]['steps']} steps)", flush=True)
         r = results[0]
         print(f"launch_ray: done: {n} hosts, {r['devices']} devices, {r['steps']} steps, "
@@ -267,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         return _fail(str(e), 2)
     start = time.perf_counter()
-    code = launch(args)
+    try:
+        code = launch(args)
+    except (Exception, KeyboardInterrupt) as exc:  # Ray itself failed (start, join, placement)
+        code = _fail(one_line(exc), 2)
     print(f"launch_ray: exit {code} after {time.perf_counter() - start:.1f}s", flush=True)
     return code
 

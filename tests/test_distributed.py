@@ -160,10 +160,10 @@ def _hosts(tmp: Path, *extra: str) -> list[str]:
 
 def test_failed_host_brings_the_job_down(tmp_path):
     """Host 1 raises as soon as it has joined; host 0 waits at the trainer's first collective
-    for ever. The launcher must kill it, print host 1's error and exit 1, promptly."""
+    for ever. The launcher must kill it, print host 1's error on one line and exit 2, promptly."""
     code, out, err, seconds = _launch(_hosts(tmp_path), tmp_path, timeout=240,
                                       RLHF_JAX_TEST_FAULT="1:0:raise")
-    assert code == 1, (out[-2000:], err[-2000:])
+    assert code == 2, (out[-2000:], err[-2000:])
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert errors == ["error: host 1 of 2 failed: RuntimeError: injected fault: process 1 "
                       "fails at step 0"], err[-2000:]
@@ -178,7 +178,7 @@ def test_host_dying_at_step_1_ends_the_job(tmp_path):
     code, out, err, seconds = _launch(
         _hosts(tmp_path, "trainer.sft_warmup.enable=false", "trainer.test_freq=-1"),
         tmp_path, timeout=900, RLHF_JAX_TEST_FAULT="1:1:exit")
-    assert code == 1, (out[-2000:], err[-2000:])
+    assert code == 2, (out[-2000:], err[-2000:])
     assert "injected fault: process 1 exits at step 1" in _ray_worker_logs(started)
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(

@@ -411,6 +411,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("reward_model.model.path is required when reward_model.enable is true")
     if not cfg.reward.custom_reward_function.name:
         _fail("reward.custom_reward_function.name", "must not be empty")
+    # An empty path is the working directory: a run would write (or read a model) there.
+    for path in ("trainer.default_local_dir", f"{_ARR}.model.path"):
+        if not str(_get(cfg, path)).strip():
+            _fail(path, "must not be empty")
     _check_dapo(cfg)
     _check_async(cfg)
     if cfg.synthetic.task is not None:

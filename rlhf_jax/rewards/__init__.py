@@ -122,6 +122,23 @@ def _module_from_file(path: str):
     return module
 
 
+def reward_fn_for(custom, *loaders) -> Callable[..., Any] | None:
+    """`reward.custom_reward_function` (`custom`) loaded, or None after checking that the
+    registry scores every row's data_source in the `loaders`' datasets (None skipped): an
+    unknown source is refused here, before anything compiles, not at the first reward."""
+    if custom.path:
+        return load_custom_reward_fn(custom.path, custom.name)
+    for dataset in (loader.dataset for loader in loaders if loader is not None):
+        for i in range(len(dataset)):
+            source = dataset[i]["data_source"]
+            if source not in REGISTRY:
+                raise ConfigError(
+                    f"no reward function for data_source {source!r} (row {dataset[i]['uid']}; "
+                    f"registered: {', '.join(sorted(REGISTRY))}); set "
+                    "reward.custom_reward_function.path/name")
+    return None
+
+
 def load_custom_reward_fn(path: str, name: str = "compute_score") -> Callable[..., Any]:
     """Import the function `name` from a `.py` file or a dotted module path.
 

@@ -148,7 +148,9 @@ def budget_slots(engine: Engine, params, utilization: float,
     not one sequence fits. `memory`: the device's figures (default: measured now)."""
     if not 0.0 < utilization <= 1.0:
         raise ConfigError(f"{KEY}: must be in (0, 1], got {utilization}")
-    memory = memory or device_memory(engine.mesh.devices.flat[0])
+    # This process's first device of the mesh: another host's has no memory stats here.
+    mine = [d for d in engine.mesh.devices.flat if d.process_index == jax.process_index()]
+    memory = memory or device_memory(mine[0] if mine else None)
     p = params_bytes(params)
     budget = min(int(utilization * memory.total) - p, memory.free)
     need = lambda s: slots_bytes(engine, s)
