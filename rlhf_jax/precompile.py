@@ -227,8 +227,11 @@ def _step_jobs(trainer, gates: dict) -> list[tuple[str, Callable[[], None]]]:
 
 def enabled() -> bool:
     """Off when the environment sets `RLHF_JAX_PRECOMPILE=0` (every program then compiles on
-    first use, as without this module)."""
-    return os.environ.get("RLHF_JAX_PRECOMPILE", "1") != "0"
+    first use, as without this module), and with several processes: there a transfer of the
+    engine's arguments is a collective across processes (jax checks that each passes the
+    same value), and a background thread's collectives interleave with the main thread's in
+    an order that differs between hosts (a 2-host run died in gloo with mismatched sizes)."""
+    return os.environ.get("RLHF_JAX_PRECOMPILE", "1") != "0" and jax.process_count() == 1
 
 
 def start(trainer) -> Precompile:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from tiny_run import algorithmic, compare, tiny
 
+from rlhf_jax import precompile
 from rlhf_jax.compile_cache import CompileLog
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, ModelConfig
@@ -112,3 +113,13 @@ def test_trainer_step_is_the_same_without_precompile(tmp_path, monkeypatch):
     off, _, reference = _one_step(tmp_path / "b")
     assert off.precompile.compiled == []
     compare(algorithmic([metrics]), algorithmic([reference]), atol=0.0, rel=0.0)
+
+
+def test_off_with_several_processes(monkeypatch):
+    """Several processes compile on first use: the background thread's argument transfers
+    would be cross-process collectives interleaved with the main thread's (the 2-host slow
+    tests in test_distributed.py died in gloo before this)."""
+    monkeypatch.delenv("RLHF_JAX_PRECOMPILE", raising=False)
+    assert precompile.enabled()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert not precompile.enabled()
