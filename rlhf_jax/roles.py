@@ -106,7 +106,8 @@ def engine(cfg, model: Model, layouts: Layouts, gen_params):
     eng = Engine(model.with_layout(layouts.gen_mesh, rules), layouts.gen_mesh, rules,
                  max_concurrent_decodes=ro.max_concurrent_decodes,
                  max_prefill_length=d.max_prompt_length, max_decode_length=d.max_response_length,
-                 prefill_buckets=ro.prefill_buckets)
+                 prefill_buckets=ro.prefill_buckets,
+                 compact_min_length=ro.compact_slots_min_response_length)
     return memory.budgeted(eng, gen_params, ro.gpu_memory_utilization)
 
 

@@ -327,6 +327,8 @@ def test_packing_small():
     rollout stopped at the forced lengths (`TrainerPath.step` checks them, and the losses)."""
     out = packing.run(small=True)
     _finite(out, "packing.")
+    # the rollout key reaches the trainer's engine: 4 slots halve as responses finish
+    assert out["packing.packed.compactions"] >= 1 and out["packing.padded.compactions"] >= 1
     for path in packing.PATHS:
         for part in ("seconds_per_iteration", "gen_seconds", "passes_seconds",
                      "update_seconds"):
@@ -350,7 +352,7 @@ def test_packing_figures_from_both_paths_in_turns():
 
     class Fake:
         def __init__(self, name, seconds):
-            self.name, self.seconds, self.decode_steps = name, seconds, []
+            self.name, self.seconds, self.decode_steps, self.compactions = name, seconds, [], []
             data = types.SimpleNamespace(train_batch_size=2, max_prompt_length=4,
                                          max_response_length=8)
             self.trainer = types.SimpleNamespace(actor_model=types.SimpleNamespace(
@@ -359,6 +361,7 @@ def test_packing_figures_from_both_paths_in_turns():
         def step(self, k, lengths):
             calls.append((self.name, k, tuple(lengths)))
             self.decode_steps.append(float(max(lengths)))
+            self.compactions.append(2.0)
             t = self.seconds * (k + 1)
             return {"gen": t / 2, "old_log_prob": t / 8, "ref": t / 8, "update_critic": t / 8,
                     "update_actor": t / 8, "step": t}

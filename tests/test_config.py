@@ -274,6 +274,8 @@ def test_mesh_string_dict_and_sizes(tmp_path):
     ("trainer.test_freq=5", "data.val_files is required when trainer.test_freq > 0"),
     ("trainer.save_freq=0", "trainer.save_freq: must be -1 (never) or >= 1, got 0"),
     ("actor_rollout_ref.rollout.prefill_buckets=[256]", "largest bucket 256 is shorter than"),
+    ("actor_rollout_ref.rollout.compact_slots_min_response_length=0",
+     "actor_rollout_ref.rollout.compact_slots_min_response_length: must be >= 1 or null"),
     ("trainer.default_local_dir=ck/${user}", "unknown interpolation '${user}'"),
     ("mesh=nope", "mesh.preset: unknown mesh preset 'nope' (known: "),
     ("mesh.fsdp=0", "mesh.fsdp: must be >= 1 or -1"),

@@ -276,3 +276,74 @@ def test_train_layout_params_are_moved_to_the_generate_layout(model, params, pro
         a = generate_sequences(e, gen, *prompts, n=3, sampling=SAMPLED, rng=key)
     b = rollout(model, params, prompts, "cpu-8", 4, SAMPLED, 3)  # given train-layout params
     np.testing.assert_array_equal(a.responses, b.responses)
+
+
+def _compacting(model, mesh_name, slots, min_length=1):
+    mesh, spec = _mesh(mesh_name)
+    return Engine(model, mesh, spec.generate_rules, max_concurrent_decodes=slots,
+                  max_prefill_length=16, max_decode_length=R, prefill_buckets=(8, 16),
+                  compiler_options=FAST_COMPILE, compact_min_length=min_length)
+
+
+def _engines(e):
+    return [e, *(e.smaller(s) for s in sorted(e._smaller, reverse=True))]
+
+
+@pytest.mark.parametrize("mesh_name", ["single", "cpu-8"])
+def test_compacting_the_slots_keeps_every_token(model, params, prompts, mesh_name):
+    """12 requests in 16 slots: once at most half are live they move into 8, then 4, ...
+    (on (2,2,2) down to the 4 devices the slots are split over); the rollout is the
+    uncompacted one's, token for token, on either mesh."""
+    e = _compacting(model, mesh_name, 16)
+    assert e.compacts(SAMPLED) and e.min_slots == (1 if mesh_name == "single" else 4)
+    p = on_mesh(model, params, mesh_name)
+    out = generate_sequences(e, p, *prompts, n=2, sampling=SAMPLED, rng=jax.random.key(42))
+    want = generate_sequences(engine(model, "single", 16), on_mesh(model, params, "single"),
+                              *prompts, n=2, sampling=SAMPLED, rng=jax.random.key(42))
+    np.testing.assert_array_equal(out.responses, want.responses)
+    np.testing.assert_array_equal(out.response_lengths, want.response_lengths)
+    np.testing.assert_allclose(out.rollout_log_probs, want.rollout_log_probs, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out.rollout_raw_log_probs, want.rollout_raw_log_probs,
+                               atol=1e-5, rtol=0)
+    assert out.stats["rollout/decode_steps"] == want.stats["rollout/decode_steps"]
+    sizes = [x.max_concurrent_decodes for x in _engines(e)]
+    # down to the fewest slots that hold the requests of the longest response (all live
+    # to the last step), at least the devices the slots are split over
+    last = int(np.sum(want.response_lengths == want.response_lengths.max()))
+    smallest = max(e.min_slots, 1 << (last - 1).bit_length())
+    assert sizes == [16 >> i for i in range((16 // smallest).bit_length())]
+    assert out.stats["rollout/compactions"] == len(sizes) - 1
+    # every smaller engine decoded (the last request is alone at the end)
+    assert all(any(k[0] == "generate" for k in x.trace_counts) for x in _engines(e)[1:])
+    ids, mask = prompts
+    generate_sequences(e, p, ids[::-1].copy(), mask[::-1].copy(), n=2, sampling=SAMPLED,
+                       rng=jax.random.key(7))
+    assert {max(x.trace_counts.values()) for x in _engines(e)} == {1}  # each program once
+
+
+def test_compaction_only_for_long_responses_and_precompiled(model, params, prompts):
+    """Responses shorter than `compact_min_length` keep one engine (no new program); the
+    engine's `precompile` compiles each compaction and each smaller engine's generate, so
+    that the rollout compiles nothing."""
+    short = _compacting(model, "single", 16, min_length=R + 1)
+    assert not short.compacts(SAMPLED)
+    out = generate_sequences(short, on_mesh(model, params, "single"), *prompts, n=2,
+                             sampling=SAMPLED, rng=jax.random.key(42))
+    assert "rollout/compactions" not in out.stats and not short._smaller
+    assert not _compacting(model, "single", 1).compacts(SAMPLED)  # nothing to halve
+    e = _compacting(model, "single", 16)
+    p = on_mesh(model, params, "single")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), p)
+    from rlhf_jax.rollout import driver
+
+    driver.precompile(e, abstract, num_prompts=len(LENGTHS), prompt_length=P, n=2,
+                      sampling=SAMPLED)
+    compiled = [dict(x.trace_counts) for x in _engines(e)]
+    assert [x.max_concurrent_decodes for x in _engines(e)] == [16, 8, 4, 2, 1]
+    assert all(("compact", x.max_concurrent_decodes // 2) in c
+               for x, c in zip(_engines(e)[:-1], compiled[:-1], strict=True))
+    generate_sequences(e, p, *prompts, n=2, sampling=SAMPLED, rng=jax.random.key(42))
+    decode = lambda counts: {k: v for k, v in counts.items() if k[0] in ("generate", "compact")}
+    # (its prefills group the prompts by bucket, which `precompile` does not foresee)
+    assert [decode(x.trace_counts) for x in _engines(e)] == [decode(c) for c in compiled]

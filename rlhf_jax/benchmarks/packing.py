@@ -31,7 +31,9 @@ Real tokens of an iteration: the sum of p + L over its batch.
   (old_log_prob + ref + values), `.update_seconds` (update_critic + update_actor) and
   `.stage.<name>` for every `timing_s/<name>` (`other`: the rest of the step), medians;
   `<path>` is `packed` or `padded`; `.decode_steps` (the engine's generate steps, the
-  batch's longest response) and `.gen_ms_per_decode_step`.
+  batch's longest response), `.gen_ms_per_decode_step` and `.compactions` (the times the
+  rollout halved its decode slots as responses finished, `rollout.compact_slots_min_response_
+  length`; the same on both paths: generation is not what packing changes).
 - `packing.compiles_after_warmup`: XLA compilations during the measured iterations of both
   trainers (expected 0: every shape is fixed after the warm-up ones).
 - `packing.real_tokens_per_iteration`, `packing.padded_tokens_per_iteration` (32 x 640),
@@ -90,6 +92,8 @@ SIZES = {
 }
 SMALL = dict(batch=4, prompt_min=4, prompt_len=8, response_median=4, response_min=2,
              response_len=8, micro_batch=2, budget=32)  # the smoke test's sizes
+# ... whose 8-token responses compact the slots too (the default starts at 32 tokens)
+SMALL_OVERRIDES = ("actor_rollout_ref.rollout.compact_slots_min_response_length=2",)
 # Per scale: (warm-up, measured). WORKLOAD.md's 5 measured iterations would add two of both
 # paths (~70 s on the idle 2-core machine), which `bench.py all`'s 10 minutes lack.
 ITERATIONS = {"workload": (2, 3), "0.5b": (1, 3)}
@@ -210,6 +214,7 @@ class TrainerPath(ppo.Run):
         self.name = name
         self.metrics: dict = {}
         self.decode_steps: list[float] = []  # the engine's generate steps of each rollout
+        self.compactions: list[float] = []  # and the times it halved its slots
         step = self.trainer.step
 
         def recorded(*args, **kw):
@@ -230,6 +235,7 @@ class TrainerPath(ppo.Run):
             raise UserError(f"packing: the {self.name} path's iteration {k} gave a non-finite "
                             f"{bad[0]}")
         self.decode_steps.append(seen[0].stats["rollout/decode_steps"])
+        self.compactions.append(seen[0].stats.get("rollout/compactions", 0.0))
         return out
 
 
@@ -248,6 +254,7 @@ def run(*, small: bool = False, scale="workload", warmup: int | None = None,
     sizes, model = SIZES[scale.name], scale.model or WORKLOAD_MODEL
     if small:
         sizes, model, warmup, repeats = SMALL, SMALL_MODEL, 1, 1
+        overrides = [*SMALL_OVERRIDES, *overrides]
     budget = sizes["budget"] if budget is None else budget
     packed = packed_overrides(budget) if packed is None else packed
     iterations = warmup + repeats
@@ -318,6 +325,7 @@ def _measure(paths: dict[str, TrainerPath], response_lens, prompt_lens, warmup: 
         out.update(_path_figures(name, recs))
         steps = statistics.median(paths[name].decode_steps[warmup:])
         out[f"packing.{name}.decode_steps"] = steps
+        out[f"packing.{name}.compactions"] = statistics.median(paths[name].compactions[warmup:])
         out[f"packing.{name}.gen_ms_per_decode_step"] = (
             1e3 * out[f"packing.{name}.gen_seconds"] / steps)
     out["packing.tokens_per_s"] = tokens / seconds["packed"]

@@ -404,6 +404,10 @@ def validate(cfg: Config) -> None:
         if buckets[-1] < data.max_prompt_length:
             _fail(path, f"the largest bucket {buckets[-1]} is shorter than "
                   f"data.max_prompt_length {data.max_prompt_length}")
+    compact = arr.rollout.compact_slots_min_response_length
+    if compact is not None and compact < 1:
+        _fail(f"{_ARR}.rollout.compact_slots_min_response_length",
+              f"must be >= 1 or null (never compact), got {compact}")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         raise ConfigError("trainer.resume_from_path is required when trainer.resume_mode is "
                           "resume_path")

@@ -201,6 +201,10 @@ class RolloutConfig(Section):
     # slots shrink to fit it (rlhf_jax/rollout/memory.py; on CPU a share of host RAM).
     gpu_memory_utilization: float = 0.5
     prefill_buckets: tuple[int, ...] | None = None  # null: powers of two up to max_prompt_length
+    # Not verl's (vLLM does it inside): once no request waits, the decode slots halve each
+    # time at most half are live, when responses may run this long (null: never; shorter
+    # responses keep one generate program). rlhf_jax/rollout/driver.py.
+    compact_slots_min_response_length: int | None = 32
     log_prob_micro_batch_size_per_device: int | None = None
     log_prob_use_dynamic_bsz: bool | None = None  # null -> actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: int | None = None  # null -> actor.ppo_max_token_len_per_gpu

@@ -7,7 +7,9 @@
 Requests (i, j) get request id i*n+j and draw their randomness from (rng, id, position), so a
 rollout depends on the seed only, not on the number of slots or on scheduling. After each
 multi-step generate call the finished slots are read back and refilled from the queue; each
-prompt is prefilled once for its n samples.
+prompt is prefilled once for its n samples. Once nothing waits, an engine that `compacts`
+halves its slots whenever at most half are live (a decode step's time grows with the slots:
+on the packing workload, 32 slots cost 3.7x the time of 8).
 """
 
 from __future__ import annotations
@@ -205,6 +207,19 @@ class _Rollout:
     def busy(self) -> bool:
         return any(r >= 0 for r in self.slot_request)
 
+    def compact(self, state):
+        """While at most half the slots hold a request (and the engine `compacts`), moves
+        them into an engine of half the slots; returns the new state."""
+        while self.engine.compacts(self.sampling):
+            live = [s for s, r in enumerate(self.slot_request) if r >= 0]
+            half = self.engine.max_concurrent_decodes // 2
+            if not live or len(live) > half:
+                break
+            self.engine, state = self.engine.compacted(state, live)
+            self.slot_request = [self.slot_request[s] for s in live] + [-1] * (half - len(live))
+            self.stats["compactions"] += 1
+        return state
+
 
 def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: int = 1,
                        sampling: SamplingParams | None = None, rng=0,
@@ -261,12 +276,16 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
     state = run.refill(engine.init_decode_state(rng))
     while run.busy():
         # With requests waiting, return as soon as `refill_min_free` slots can take them;
-        # with none, decode to the end in one call.
+        # with none, decode to the end in one call, or, where the engine compacts, until at
+        # most half the slots are live, which then decode on in half the slots.
         waiting = run.next_request < run.total
+        e = run.engine
+        s = e.max_concurrent_decodes
         empty = sum(r < 0 for r in run.slot_request)
-        stop = empty + refill_min_free if waiting else None
-        steps = _decode_steps(engine, steps_per_call, waiting)
-        state, _ = engine.generate_steps(params, state, steps, sampling, stop_when_done=stop)
+        compact = not waiting and e.compacts(sampling)
+        stop = empty + refill_min_free if waiting else s - s // 2 if compact else None
+        steps = _decode_steps(e, steps_per_call, waiting)
+        state, _ = e.generate_steps(params, state, steps, sampling, stop_when_done=stop)
         run.stats["generate_calls"] += 1
         # The one sync per call: which slots finished. `fetch` gathers the slots of every
         # host, so all processes see the same slots finish and refill them alike.
@@ -284,6 +303,8 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
                 lengths[rid] = k
                 run.slot_request[s] = -1
             state = run.refill(state)
+        if compact:
+            state = run.compact(state)
     run.stats["decode_steps"] = int(fetch(state.steps))
     mask = (np.arange(r)[None] < lengths[:, None]).astype(np.int32)
     run.stats["tokens_generated"] = int(lengths.sum())

@@ -56,13 +56,16 @@ class Engine(EnginePrograms):
       sampling: the default `SamplingParams` when a call passes `sampler=None`.
       compiler_options: XLA options for every jitted function (e.g. tests lower
         `xla_backend_optimization_level` to compile faster).
+      compact_min_length: rollouts whose sampler allows responses of at least this many
+        tokens compact the slots as they finish (`compacts`, `compacted`; None: never).
     """
 
     def __init__(self, model: Model, mesh, rules: Rules, *, max_concurrent_decodes: int = 64,
                  max_prefill_length: int = 512, max_decode_length: int = 512,
                  prefill_buckets: Sequence[int] | None = None,
                  sampling: SamplingParams | None = None,
-                 compiler_options: dict[str, Any] | None = None):
+                 compiler_options: dict[str, Any] | None = None,
+                 compact_min_length: int | None = None):
         if model.kind != "lm":
             raise ConfigError("the rollout engine needs a causal LM, got a value model")
         for name, v in (("max_concurrent_decodes", max_concurrent_decodes),
@@ -98,6 +101,8 @@ class Engine(EnginePrograms):
         self._lock = threading.Lock()
         self._jit_kw = {"compiler_options": dict(compiler_options)} if compiler_options else {}
         self._replicated = NamedSharding(mesh, P())
+        self.compact_min_length = compact_min_length
+        self._smaller: dict[int, Engine] = {}  # `smaller(s)`: shared by all of them
 
     # ------------------------------------------------------------------ JetStream properties
 
@@ -258,7 +263,55 @@ class Engine(EnginePrograms):
         out._slots = slots
         out.trace_counts = collections.Counter()
         out._jits, out._pending, out._lock = {}, {}, threading.Lock()
+        out._smaller = {}
         return out
+
+    # ------------------------------------------------------------------------- compaction
+
+    @property
+    def min_slots(self) -> int:
+        """The fewest slots compaction leaves: the devices the slot axis is split over."""
+        return math.prod(self._mesh.shape[a] for a in dict(self.rules).get("cache_batch", ()))
+
+    def compacts(self, sampler: SamplingParams) -> bool:
+        """Whether a rollout with `sampler` compacts its slots as they finish: responses of
+        at least `compact_min_length` tokens (a compaction, one gather of the live slots'
+        cache rows, pays back only over many decode steps; the short-response runs keep one
+        program), and slots left to halve."""
+        return (self.compact_min_length is not None
+                and self.resolve_sampling(sampler).max_response_length >= self.compact_min_length
+                and self._slots // 2 >= self.min_slots)
+
+    def smaller(self, slots: int) -> Engine:
+        """This engine with `slots` < S slots, one per size (its programs compile once)."""
+        with self._lock:
+            if slots not in self._smaller:
+                small = self.with_slots(slots)
+                small._smaller = self._smaller
+                self._smaller[slots] = small
+            return self._smaller[slots]
+
+    def compacted(self, state: DecodeState, keep: Sequence[int]
+                  ) -> tuple[Engine, DecodeState]:
+        """Not in JetStream's API: the slots `keep` (in that order) of `state` moved into a
+        state of S / 2 slots (`len(keep)` <= S / 2), on `smaller(S // 2)`, which the rollout
+        goes on with; the other new slots are empty (done). A slot's request decodes on
+        unchanged: its randomness depends on its request id and position, never its slot.
+        `state` is consumed (its buffers are not reused)."""
+        key, build, args = self._compact_call(state, keep)
+        return self.smaller(self._slots // 2), self._jit(key, build)(*args)
+
+    def _compact_call(self, state, keep: Sequence[int]):
+        """`(key, build, args)` of `compacted(state, keep)`."""
+        s = self._slots // 2
+        if not 1 <= s or len(keep) > s:
+            raise ConfigError(f"cannot compact {len(keep)} live slots of {self._slots} into {s}")
+        idx = np.zeros(s, np.int32)
+        idx[:len(keep)] = keep
+        valid = np.arange(s) < len(keep)
+        key, small = ("compact", s), self.smaller(s)
+        return key, lambda: self._build_compact(key, small), (
+            state, *jax.device_put((idx, valid), self._replicated))
 
     def free_resource(self, slot: int) -> None:
         """Nothing to free: the dense cache row is overwritten by the next `insert`."""
@@ -448,7 +501,8 @@ class Engine(EnginePrograms):
         """Compiles the programs of a rollout ahead of time, running none of them: the
         decode state's init, a prefill of b prompts padded to `length`'s bucket with
         `num_samples` samples and its `bulk_insert` (for each b of `prefill_batches`), and
-        `generate_steps` of each step count of `generate_steps`, for `sampler`.
+        `generate_steps` of each step count of `generate_steps`, for `sampler`; where the
+        rollout `compacts`, each compaction and the longest generate of each smaller engine.
 
         Meant for a background thread: no device memory is used (the arguments are
         shapes), and a call in another thread that needs one of these programs while it
@@ -471,3 +525,11 @@ class Engine(EnginePrograms):
             if stop():
                 return
             state, _ = self._compiled(self._generate_call(params, state, steps, sampler, None))
+        engine = self
+        while engine.compacts(sampler) and generate_steps:  # the rollout's smaller engines
+            if stop():
+                return
+            state = engine._compiled(engine._compact_call(state, []))
+            engine = engine.smaller(engine._slots // 2)
+            state, _ = engine._compiled(engine._generate_call(
+                params, state, max(generate_steps), sampler, None))

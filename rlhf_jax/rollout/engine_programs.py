@@ -180,3 +180,21 @@ class EnginePrograms:
         return jax.jit(generate, in_shardings=(self.param_shardings, st, rep, rep),
                        out_shardings=(st, self._result_shardings(s, k)), donate_argnums=1,
                        **self._jit_kw)
+
+    def _build_compact(self, key, small):
+        """The live slots `idx` of the state gathered into the `small` engine's slots."""
+
+        def compact(state: DecodeState, idx_s, valid_s):
+            self._traced(key)
+            rows = lambda x: x[idx_s]
+            return DecodeState(
+                KVCache(*(c[:, idx_s] for c in state.cache)), rows(state.tokens),
+                rows(state.write_index), rows(state.generated),
+                jnp.where(valid_s, rows(state.done), True), rows(state.request_id),
+                rows(state.response), rows(state.log_probs), rows(state.raw_log_probs),
+                state.rng, state.steps, rows(state.max_length),
+            )
+
+        rep = NamedSharding(self._mesh, P())
+        return jax.jit(compact, in_shardings=(self.decode_state_shardings(), rep, rep),
+                       out_shardings=small.decode_state_shardings(), **self._jit_kw)
