@@ -191,7 +191,7 @@ def test_head_slice_trims_the_last_layer(hf_dirs, arch):
         chex.assert_trees_all_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "value"])
+@pytest.mark.parametrize("arch", ["qwen2", pytest.param("value", marks=pytest.mark.slow)])
 def test_scanned_and_unrolled_layers_agree(hf_dirs, arch):
     """The layer stack as a `lax.scan` and unrolled over per-layer weights (with and without
     rematerialisation) give the same outputs and the same gradients, sharded (2,2,2); the

@@ -185,7 +185,7 @@ def test_packed_actor_update_equals_padded(mode):
     _assert_same_metrics(packed, _update("single", "actor", mode, packed=False))
 
 
-@pytest.mark.parametrize("budget", [P + R, 4 * (P + R)])
+@pytest.mark.parametrize("budget", [P + R, pytest.param(4 * (P + R), marks=pytest.mark.slow)])
 def test_packed_critic_update_equals_padded(budget):
     packed = _update("cpu-8", "critic", "seq-mean-token-mean", packed=True, budget=budget)
     _assert_same(packed, _update("cpu-8", "critic", "seq-mean-token-mean", packed=False))

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import pyarrow as pa
 import pyarrow.parquet as pq
 from test_verl_metric_names import check_verl_names
@@ -36,7 +37,12 @@ def test_ppo_on_2x2x2_equals_1x1x1(tmp_path, monkeypatch):
                 "perf/mfu/actor", "perf/throughput"):
         assert rows[-1][key] > 0, key
 
-    # The checkpoint saved on (2,2,2) at the end goes on, one step more, on (1,8,1) and (1,1,1).
+
+@pytest.mark.slow  # four tiny runs (~1 min); tests/test_checkpoint.py restores across meshes
+def test_a_2x2x2_checkpoint_goes_on_alike_on_1x8x1_and_1x1x1(tmp_path):
+    """The checkpoint saved on (2,2,2) at the end goes on, one step more, on (1,8,1) and
+    (1,1,1)."""
+    train(tiny(tmp_path / "a", mesh="cpu-8"))
     more = {"trainer.total_training_steps": 3, "trainer.test_freq": -1}
     on_181 = train(tiny(tmp_path / "a", mesh="{preset: cpu-8, data: 1, fsdp: 8, tensor: 1}",
                         **more))
