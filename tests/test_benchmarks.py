@@ -447,3 +447,24 @@ def test_forced_lengths_stop_each_request_there():
                                         r"\[1, 6\], got shape \(8,\)"):
         generate_sequences(engine, params, ids, mask, n=2, sampling=sampling,
                            max_lengths=limits + 1)
+
+
+def test_all_runs_the_short_forms_and_a_named_benchmark_runs_in_full(monkeypatch, capsys):
+    """`all` passes each module's `ALL_KW` (its 10 minutes); a benchmark named alone gets
+    none of them."""
+    from rlhf_jax.benchmarks import chunked_head
+
+    bench = _bench_script()
+    calls = {}
+    monkeypatch.setattr(bench, "available", lambda: ["chunked_head", "gae"])
+    for module in (chunked_head, gae):
+        name = module.__name__.rsplit(".", 1)[1]
+        monkeypatch.setattr(module, "run", lambda name=name, **kw: calls.setdefault(name, kw)
+                            and {})
+    assert bench.main(["all"]) == 0
+    assert calls == {"chunked_head": {"time_rows": 1, "repeats": 1, "warmup": 0,
+                                      "scale": "workload"}, "gae": {"scale": "workload"}}
+    calls.clear()
+    assert bench.main(["chunked_head"]) == 0
+    assert calls == {"chunked_head": {"scale": "workload"}}
+    capsys.readouterr()

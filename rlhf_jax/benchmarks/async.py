@@ -46,6 +46,7 @@ from rlhf_jax.trainer import Trainer
 SLEEP_S = 0.02  # the simulated reward's seconds a sample
 WORKERS = 8  # verl's default reward.num_workers
 ITERATIONS = (1, 4)  # warm-up, measured
+ALL_KW = dict(iterations=(1, 2))  # what `scripts/bench.py all` runs (its 10 minutes)
 SPLIT_SIZES = dict(batch=16, prompt_len=32, new_tokens=32, micro_batch=2)
 SMALL_SPLIT = dict(batch=8, prompt_len=8, new_tokens=8, micro_batch=1)  # the smoke test's
 
@@ -64,11 +65,11 @@ def _config(workdir: pathlib.Path, prompts, sizes: dict, model: dict, dtype: str
                                    *overrides])
 
 
-def rewards(scale: str = "workload", small: bool = False) -> dict:
+def rewards(scale: str = "workload", small: bool = False, iterations=ITERATIONS) -> dict:
     """Part (a): the slow reward inline and in the pool, in turns."""
     scale = get_scale(scale)
     sizes, model = ppo.SIZES[scale.name], scale.model or WORKLOAD_MODEL
-    warmup, repeats = ITERATIONS
+    warmup, repeats = iterations
     if small:
         sizes, model, warmup, repeats = ppo.SMALL, SMALL_MODEL, 1, 1
     prompts = workload_prompts(warmup + repeats, sizes["batch"], sizes["prompt_len"])
@@ -104,14 +105,16 @@ def rewards(scale: str = "workload", small: bool = False) -> dict:
         "async.reward_inline.seconds_per_iteration": t_inline,
         "async.reward_pool.seconds_per_iteration": t_pool,
         "async.reward_hidden_fraction_by_iteration": (t_inline - t_pool) / inline,
+        "async.measured_iterations": repeats,
     }
 
 
-def one_step_off(scale: str = "workload", small: bool = False) -> dict:
+def one_step_off(scale: str = "workload", small: bool = False,
+                 iterations=ITERATIONS) -> dict:
     """Part (b), on 8 devices: the synchronous trainer, then the one-step-off one."""
     scale = get_scale(scale)
     sizes, model = SPLIT_SIZES, scale.model or WORKLOAD_MODEL
-    warmup, repeats = ITERATIONS
+    warmup, repeats = iterations
     if small:
         sizes, model, warmup, repeats = SMALL_SPLIT, SMALL_MODEL, 2, 2
     prompts = workload_prompts(warmup + repeats + 2, sizes["batch"], sizes["prompt_len"])
@@ -153,20 +156,24 @@ def one_step_off(scale: str = "workload", small: bool = False) -> dict:
     return out
 
 
-def run(*, small: bool = False, scale="workload") -> dict:
-    """Both parts; (b) in a subprocess with 8 CPU devices when this process has fewer."""
+def run(*, small: bool = False, scale="workload", iterations=ITERATIONS) -> dict:
+    """Both parts, `iterations` = (warm-up, measured) each; (b) in a subprocess with 8 CPU
+    devices when this process has fewer."""
     name = get_scale(scale).name
-    out = rewards(name, small)
+    out = rewards(name, small, tuple(iterations))
     if jax.device_count() >= 8:
-        out.update(one_step_off(name, small))
+        out.update(one_step_off(name, small, tuple(iterations)))
     else:
         out.update(on_cpu_devices("rlhf_jax.benchmarks.async", "--scale", name,
+                                  "--iterations", *map(str, iterations),
                                   *(["--small"] if small else [])))
     return out
 
 
 if __name__ == "__main__":
     if "--in-process" in sys.argv:
-        print(json.dumps(one_step_off(scale_arg(sys.argv), "--small" in sys.argv)))
+        at = sys.argv.index("--iterations") if "--iterations" in sys.argv else None
+        its = ITERATIONS if at is None else tuple(int(x) for x in sys.argv[at + 1:at + 3])
+        print(json.dumps(one_step_off(scale_arg(sys.argv), "--small" in sys.argv, its)))
     else:
         print(json.dumps(run(), indent=1, sort_keys=True))

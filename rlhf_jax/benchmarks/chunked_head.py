@@ -89,7 +89,7 @@ def _needs(compiled) -> int:
 
 
 def measure(*, small: bool = False, chunk: int | None = None, repeats: int = 3,
-            time_rows: int | None = None) -> dict:
+            time_rows: int | None = None, warmup: int = 1) -> dict:
     cfg = bench_config(small)
     rows, tokens = (SMALL["rows"], SMALL["tokens"]) if small else (ROWS, TOKENS)
     if small and chunk is None:  # the automatic choice leaves a tiny head alone
@@ -123,8 +123,11 @@ def measure(*, small: bool = False, chunk: int | None = None, repeats: int = 3,
 
     # Time the full update on as many of the rows as this host's memory holds (or time_rows).
     n_rows = rows
-    while n_rows > (time_rows or 1) and (
-            time_rows is not None or _needs(updates["full"]) > 0.6 * available_bytes()):
+    if time_rows is not None and time_rows < rows:
+        n_rows = time_rows
+        batch = actor_batch(cfg.vocab_size, n_rows, tokens)
+        updates = {k: compiled(model, state, batch, size) for k, size in sizes.items()}
+    while n_rows > 1 and _needs(updates["full"]) > 0.6 * available_bytes():
         n_rows //= 2
         batch = actor_batch(cfg.vocab_size, n_rows, tokens)
         updates = {k: compiled(model, state, batch, size) for k, size in sizes.items()}
@@ -137,9 +140,9 @@ def measure(*, small: bool = False, chunk: int | None = None, repeats: int = 3,
         return out
 
     t_chunked, t_full = interleaved({k: functools.partial(call, k, updates[k]) for k in cpu},
-                                    warmup=1, repeats=repeats)
+                                    warmup=warmup, repeats=repeats)
     del updates
-    cpu_median = {k: statistics.median(v[1:]) for k, v in cpu.items()}  # warm-up dropped
+    cpu_median = {k: statistics.median(v[warmup:]) for k, v in cpu.items()}  # warm-up dropped
 
     seqs = jax.tree.map(lambda x: x[0], batch.seqs)  # [K=1, m, ...]
     logp = {k: jax.jit(functools.partial(ts.log_probs_step, model=model, temperature=1.0,
@@ -165,11 +168,17 @@ def measure(*, small: bool = False, chunk: int | None = None, repeats: int = 3,
     }
 
 
+# What `scripts/bench.py all` runs (its 10 minutes): the memory figures at 4 rows as always,
+# the times on 1 row, once each (the updates are compiled ahead of the calls).
+ALL_KW = dict(time_rows=1, repeats=1, warmup=0)
+
+
 def run(*, small: bool = False, scale="workload", chunk: int | None = None,
-        repeats: int = 3, time_rows: int | None = None) -> dict:
+        repeats: int = 3, time_rows: int | None = None, warmup: int = 1) -> dict:
     """The figures (`scale` is accepted for `scripts/bench.py`; the workload is fixed)."""
     del scale
-    return measure(small=small, chunk=chunk, repeats=repeats, time_rows=time_rows)
+    return measure(small=small, chunk=chunk, repeats=repeats, time_rows=time_rows,
+                   warmup=warmup)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ SMALL_OVERRIDES = ("actor_rollout_ref.rollout.compact_slots_min_response_length=
 # Per scale: (warm-up, measured). WORKLOAD.md's 5 measured iterations would add two of both
 # paths (~70 s on the idle 2-core machine), which `bench.py all`'s 10 minutes lack.
 ITERATIONS = {"workload": (2, 3), "0.5b": (1, 3)}
+ALL_KW = dict(warmup=1)  # what `scripts/bench.py all` runs (its 10 minutes)
 
 
 def packed_overrides(budget: int) -> list[str]:

@@ -274,11 +274,13 @@ SIZES = {  # per scale: prompts per iteration, their length, new tokens, micro-b
 }
 SMALL = dict(batch=4, prompt_len=8, new_tokens=8, micro_batch=2)  # the smoke test's sizes
 ITERATIONS = {"workload": (2, 5), "0.5b": (1, 3)}  # per scale: (warm-up, measured)
+ALL_KW = dict(bypass=False)  # what `scripts/bench.py all` runs (its 10 minutes)
 
 
 def run(*, small: bool = False, scale="workload", warmup: int | None = None,
         repeats: int | None = None, trl_python: str | None = None, rounds: int = 2,
-        values_in_update: bool = True, overrides: Sequence[str] = ()) -> dict:
+        values_in_update: bool = True, overrides: Sequence[str] = (),
+        bypass: bool = True) -> dict:
     """The WORKLOAD.md iteration, or with `small=True` a shrunken one for the smoke test.
 
     `scale`: `workload` (WORKLOAD.md) or `0.5b` (see the module doc). `trl_python`: also run
@@ -286,6 +288,7 @@ def run(*, small: bool = False, scale="workload", warmup: int | None = None,
     iterations (see the module doc). `values_in_update`: `critic.values_in_update`.
     `overrides`: more `key=value` config overrides of both trainers (e.g.
     `actor_rollout_ref.rollout.max_concurrent_decodes=16` to try a rollout setting).
+    `bypass`: also the bypass-mode trainer (`ppo.bypass.*`), in turns.
     At least one warm-up iteration runs: the first is the launch's first step.
     """
     scale = get_scale(scale)
@@ -312,26 +315,30 @@ def run(*, small: bool = False, scale="workload", warmup: int | None = None,
             main = Run(cfg)
             main.step(0)
             launch = time.perf_counter() - t0
-        bypass = Run(workload_config(pathlib.Path(tmp, "bypass"), prompts, **kw, overrides=[
-            *overrides, "algorithm.rollout_correction.bypass_mode=true"]))
+        bypass = bypass and Run(workload_config(pathlib.Path(tmp, "bypass"), prompts, **kw,
+                                                overrides=[*overrides, "algorithm."
+                                                           "rollout_correction.bypass_mode=true"]))
         try:
-            out = _measure(main, bypass, warmup, repeats, rounds, trl_python, scale, small)
+            out = _measure(main, bypass or None, warmup, repeats, rounds, trl_python, scale,
+                           small)
         finally:
             main.close()
-            bypass.close()
+            if bypass:
+                bypass.close()
     out["ppo.launch_to_first_step_seconds"] = launch
     out.update(log.figures("ppo.compile"))
     return out
 
 
-def _measure(main: Run, bypass: Run, warmup: int, repeats: int, rounds: int,
+def _measure(main: Run, bypass: Run | None, warmup: int, repeats: int, rounds: int,
              trl_python: str | None, scale, small: bool) -> dict:
     counter = CompileCounter()
     records, bypassed, peaks, trl_runs, steal = [], [], [], [], [0, 0]
     for i in range(warmup):
         if i:  # run() made the first
             main.step(i)
-        bypass.step(i)
+        if bypass is not None:
+            bypass.step(i)
     for r in range(rounds):
         if trl_python is not None:
             trl_runs.append(run_trl(trl_python, "--iterations", str(TRL_WARMUP + repeats)))
@@ -347,8 +354,9 @@ def _measure(main: Run, bypass: Run, warmup: int, repeats: int, rounds: int,
             peaks.append(matmul_peak_flops(64 if small else scale.peak_n,
                                            repeats=3 if small else 5,
                                            dtype=jnp.dtype(scale.dtype)))
-            with counter.counting(True):
-                bypassed.append(bypass.step(k))
+            if bypass is not None:
+                with counter.counting(True):
+                    bypassed.append(bypass.step(k))
     cfg = main.trainer.cfg
     batch, seq_len = cfg.data.train_batch_size, cfg.data.max_prompt_length \
         + cfg.data.max_response_length
@@ -377,14 +385,16 @@ def _measure(main: Run, bypass: Run, warmup: int, repeats: int, rounds: int,
         out["ppo.ratio_to_trl_reference"] = tokens / seconds / TRL_TOKENS_PER_S
     if steal[1] > 0:
         out["ppo.cpu_steal_fraction"] = steal[0] / steal[1]
-    bypass_seconds = statistics.median(r["step"] for r in bypassed)
-    out["ppo.bypass.seconds_per_iteration"] = bypass_seconds
-    out["ppo.bypass.tokens_per_s"] = tokens / bypass_seconds
+    if bypassed:
+        bypass_seconds = statistics.median(r["step"] for r in bypassed)
+        out["ppo.bypass.seconds_per_iteration"] = bypass_seconds
+        out["ppo.bypass.tokens_per_s"] = tokens / bypass_seconds
     if trl_runs:
         out.update(_trl_figures(trl_runs, tokens))
         out["ppo.ratio_to_trl"] = out["ppo.tokens_per_s"] / out["ppo.trl.tokens_per_s"]
-        out["ppo.bypass.ratio_to_trl"] = (out["ppo.bypass.tokens_per_s"]
-                                          / out["ppo.trl.tokens_per_s"])
+        if bypassed:
+            out["ppo.bypass.ratio_to_trl"] = (out["ppo.bypass.tokens_per_s"]
+                                              / out["ppo.trl.tokens_per_s"])
     stages = [s for s in records[0] if s != "step"]
     for r in records:  # outside every stage: the step's metrics
         r["other"] = r["step"] - sum(r.get(s, 0.0) for s in stages)

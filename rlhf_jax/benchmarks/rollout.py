@@ -121,6 +121,7 @@ def decode_benchmark(model: Model, *, batch: int, prompt_len: int, new_tokens: i
     }
 
 
+ALL_KW = dict(repeats=1)  # what `scripts/bench.py all` runs (its 10 minutes)
 SIZES = {  # per scale: prompts, prompt length, new tokens each, measured repeats
     "workload": dict(batch=32, prompt_len=64, new_tokens=64, repeats=3),
     "0.5b": dict(batch=64, prompt_len=128, new_tokens=128, repeats=3),
