@@ -79,9 +79,9 @@ def test_decoder_in_blocks_on_the_mesh_equals_one_block(monkeypatch):
     ref = logits("single")
     real = tf.attention
 
-    def spy(*args):
+    def spy(*args, **kw):
         blocks.append(args[-1])
-        return real(*args)
+        return real(*args, **kw)
 
     monkeypatch.setattr(tf, "attention", spy)
     per_query = 4 * 2 * 2 * 13 * 4  # rows x K x G x S x 4 bytes (global shapes under jit)
@@ -89,3 +89,45 @@ def test_decoder_in_blocks_on_the_mesh_equals_one_block(monkeypatch):
     got = logits("cpu-8")
     assert blocks == [3, 3], blocks  # both layers
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+
+
+def _reference(q, k, v, mask, scale):
+    """Masked softmax attention as autodiff sees it (no custom backward)."""
+    scores = jnp.einsum("BKGTH,BKSH->BKGTS", q, k) * scale
+    probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, ops.NEG_INF), axis=-1)
+    return jnp.einsum("BKGTS,BKSH->BKGTH", probs, v)
+
+
+@pytest.mark.parametrize("block", [None, 4])
+def test_the_hand_written_backward_equals_autodiffs(block):
+    """Outputs and q / k / v gradients equal plain autodiff through the masked softmax, with
+    a packed row, a fully masked query row (the mean of all values, no gradient through its
+    scores) and a padded row, in one block and in blocks of 4 with a tail."""
+    q, k, v, mask = _inputs()
+    mask = np.asarray(mask).copy()
+    mask[1, 3] = False  # a query that may read no key
+    mask = jnp.asarray(mask)
+    w = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32)
+    got = jax.jit(lambda q, k, v: ops.attention(q, k, v, mask, 0.35, jnp.float32, block))
+    np.testing.assert_allclose(got(q, k, v), _reference(q, k, v, mask, 0.35), atol=1e-6)
+    np.testing.assert_allclose(got(q, k, v)[1, :, :, 3], np.broadcast_to(
+        np.mean(np.asarray(v)[1], axis=1)[:, None], (2, 2, 8)), atol=1e-6)
+    loss = lambda f: lambda q, k, v: jnp.sum(w * f(q, k, v))
+    ref = jax.grad(loss(lambda q, k, v: _reference(q, k, v, mask, 0.35)), (0, 1, 2))(q, k, v)
+    mine = jax.jit(jax.grad(loss(got), (0, 1, 2)))(q, k, v)
+    for a, b in zip(mine, ref, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_bfloat16_attention_is_close_to_float32():
+    """bfloat16 inputs (the accelerator runs): float32 scores and softmax, so the output and
+    gradients stay within bfloat16's rounding of the float32 ones."""
+    q, k, v, mask = _inputs()
+    f = lambda dt: lambda q, k, v: jnp.sum(ops.attention(q, k, v, mask, 0.35, dt)
+                                           .astype(jnp.float32) ** 2)
+    bf = lambda x: x.astype(jnp.bfloat16)
+    g32 = jax.grad(f(jnp.float32), (0, 1, 2))(q, k, v)
+    g16 = jax.jit(jax.grad(f(jnp.bfloat16), (0, 1, 2)))(bf(q), bf(k), bf(v))
+    for a, b in zip(g16, g32, strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=0.1, rtol=0.05)

@@ -347,3 +347,28 @@ def test_compaction_only_for_long_responses_and_precompiled(model, params, promp
     decode = lambda counts: {k: v for k, v in counts.items() if k[0] in ("generate", "compact")}
     # (its prefills group the prompts by bucket, which `precompile` does not foresee)
     assert [decode(x.trace_counts) for x in _engines(e)] == [decode(c) for c in compiled]
+
+
+@pytest.mark.parametrize("mesh_name", ["single", "cpu-8"])
+def test_attention_over_the_cache_prefix_keeps_every_token(model, params, prompts, mesh_name,
+                                                           monkeypatch):
+    """With a step of 4 the prefill and each decode step read the first 4, 8, .. 24 of the
+    26 cache positions (as far as the newest key): the tokens and log-probs of reading them
+    all, on either mesh."""
+    from rlhf_jax.models import ops
+
+    mesh, spec = _mesh(mesh_name)
+    make = lambda: Engine(model, mesh, spec.generate_rules, max_concurrent_decodes=4,
+                          max_prefill_length=16, max_decode_length=R, prefill_buckets=(8, 16),
+                          compiler_options=FAST_COMPILE)
+    p = on_mesh(model, params, mesh_name)
+    run = lambda e: generate_sequences(e, p, *prompts, n=2, sampling=SAMPLED,
+                                       rng=jax.random.key(42))
+    monkeypatch.setattr(ops, "CACHE_STEP", None)
+    want = run(make())
+    monkeypatch.setattr(ops, "CACHE_STEP", 4)
+    e = make()
+    assert ops.key_classes(e.cache_length, 4) == (4, 8, 12, 16, 20, 24)
+    got = run(e)
+    np.testing.assert_array_equal(got.responses, want.responses)
+    np.testing.assert_allclose(got.rollout_log_probs, want.rollout_log_probs, atol=1e-5, rtol=0)

@@ -1,6 +1,7 @@
 """Array functions of the decoder, each shaped for XLA: the projections' product with a
 hand-written backward, the rotary table and rotation, the gated SiLU, the sliding-window
-mask, and the full-sequence attention in query blocks.
+mask, the attention with a hand-written backward (the full sequence in query blocks), and
+the attention over the used prefix of a KV cache.
 
 Pure `jax.numpy`; `rlhf_jax.models.transformer` builds its modules on them. Shapes use the
 dimension letters of that module (B, T, H, ...).
@@ -159,36 +160,153 @@ def attention_block(shape_bkgts: tuple[int, ...],
     return max(1, min(t, budget // per_query))
 
 
+# Attention over a KV cache reads its first P positions only, P the smallest multiple of
+# CACHE_STEP (widened so that at most CACHE_CLASSES fit below the cache length S) past every
+# row's newest key, or all S: the early decode steps of a long cache, when most slots are
+# live, read a fraction of it. None: always all S.
+CACHE_STEP: int | None = 128
+CACHE_CLASSES = 8
+
+
+def key_classes(s: int, step: int | None) -> tuple[int, ...]:
+    """Static key counts below `s`: multiples of `step`, widened so that at most
+    `CACHE_CLASSES` fit (none for a step of None or 0)."""
+    if not step:
+        return ()
+    least = -(-s // CACHE_CLASSES)
+    step = -(-least // step) * step
+    return tuple(range(step, s, step))
+
+
+def over_cache_prefix(fn, k_bksh, v_bksh, mask_bts, newest_b):
+    """`fn(k, v, mask)` over the first P cache positions, P from `CACHE_STEP` and the newest
+    key any row holds (`newest_b`, [B] positions) by a `lax.switch`; `fn` must not read keys
+    the mask does not allow, so that every branch gives the full cache's result."""
+    prefixes = key_classes(k_bksh.shape[2], CACHE_STEP)
+    if not prefixes:
+        return fn(k_bksh, v_bksh, mask_bts)
+    index = jnp.searchsorted(jnp.asarray(prefixes, jnp.int32),
+                             jnp.max(newest_b).astype(jnp.int32) + 1)
+    branches = [lambda k, v, m, p=p: fn(k[:, :, :p], v[:, :, :p], m[..., :p])
+                for p in prefixes]
+    return jax.lax.switch(index, [*branches, fn], k_bksh, v_bksh, mask_bts)
+
+
+def _block_fwd(q, k, v, m, scale, dtype):
+    """One query block over its keys: output [B, K, G, C, H] and the softmax's row max and
+    sum (float32 [B, K, G, C])."""
+    s = jnp.einsum("BKGTH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(m[:, None, None], s, NEG_INF)
+    top = jnp.max(s, axis=-1)
+    e = jnp.exp(s - top[..., None])
+    total = jnp.sum(e, axis=-1)
+    p = (e / total[..., None]).astype(dtype)
+    return jnp.einsum("BKGTS,BKSH->BKGTH", p, v), top, total
+
+
+def _block_bwd(q, k, v, m, top, total, out, d_out, scale, dtype):
+    """The block's dq [B, K, G, C, H], dk and dv [B, K, W, H] (float32), the scores
+    recomputed from q and k."""
+    s = jnp.einsum("BKGTH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(m[:, None, None], s, NEG_INF)
+    p = jnp.exp(s - top[..., None]) / total[..., None]
+    dv = jnp.einsum("BKGTS,BKGTH->BKSH", p.astype(dtype), d_out,
+                    preferred_element_type=jnp.float32)
+    dp = jnp.einsum("BKGTH,BKSH->BKGTS", d_out, v, preferred_element_type=jnp.float32)
+    rows = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    ds = jnp.where(m[:, None, None], p * (dp - rows[..., None]), 0.0) * scale
+    dq = jnp.einsum("BKGTS,BKSH->BKGTH", ds.astype(dtype), k,
+                    preferred_element_type=jnp.float32)
+    dk = jnp.einsum("BKGTS,BKGTH->BKSH", ds.astype(dtype), q,
+                    preferred_element_type=jnp.float32)
+    return dq, dk, dv
+
+
+def _split(q, m, queries):
+    """Queries [B, K, G, T, H] and mask rows [B, T, S] in N blocks of `queries` (T padded)."""
+    t = q.shape[3]
+    n = -(-t // queries)
+    pad = n * queries - t
+    q = jnp.pad(q, ((0, 0),) * 3 + ((0, pad), (0, 0)))
+    m = jnp.pad(m, ((0, 0), (0, pad), (0, 0)))
+    return ([q[:, :, :, i * queries:(i + 1) * queries] for i in range(n)],
+            [m[:, i * queries:(i + 1) * queries] for i in range(n)])
+
+
+def _dense_fwd(q, k, v, m, scale, dtype, block):
+    """All keys; the queries in blocks of `block` under `lax.map` (None: one block)."""
+    t = q.shape[3]
+    if block is None or block >= t:
+        return _block_fwd(q, k, v, m, scale, dtype)
+    n = -(-t // block)
+    qs, ms = _split(q, m, block)
+    out, top, total = jax.lax.map(lambda a: _block_fwd(a[0], k, v, a[1], scale, dtype),
+                                  (jnp.stack(qs), jnp.stack(ms)))
+    cat = lambda x: jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], n * block, *x.shape[5:])
+    return tuple(cat(x)[:, :, :, :t] for x in (out, top, total))
+
+
+def _dense_bwd(q, k, v, m, top, total, out, d_out, scale, dtype, block):
+    t = q.shape[3]
+    if block is None or block >= t:
+        return _block_bwd(q, k, v, m, top, total, out, d_out, scale, dtype)
+    n = -(-t // block)
+    qs, ms = _split(q, m, block)
+
+    def per(x, value=0):  # [B, K, G, T, ...] -> [N, B, K, G, block, ...], T padded with value
+        x = jnp.pad(x, ((0, 0),) * 3 + ((0, n * block - t),) + ((0, 0),) * (x.ndim - 4),
+                    constant_values=value)
+        return jnp.moveaxis(x.reshape(*x.shape[:3], n, block, *x.shape[4:]), 3, 0)
+
+    def one(carry, a):
+        dq, dk, dv = _block_bwd(a[0], k, v, a[1], a[2], a[3], a[4], a[5], scale, dtype)
+        return (carry[0] + dk, carry[1] + dv), dq
+
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    (dk, dv), dq = jax.lax.scan(one, zeros, (jnp.stack(qs), jnp.stack(ms), per(top),
+                                             per(total, 1), per(out), per(d_out)))
+    dq = jnp.moveaxis(dq, 0, 3).reshape(*dq.shape[1:4], n * block, dq.shape[-1])
+    return dq[:, :, :, :t], dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, m, scale, dtype, block):
+    return _dense_fwd(q, k, v, m, scale, dtype, block)[0]
+
+
+def _attention_fwd(q, k, v, m, scale, dtype, block):
+    out, top, total = _dense_fwd(q, k, v, m, scale, dtype, block)
+    return out, (q, k, v, m, top, total, out)
+
+
+def _attention_bwd(scale, dtype, block, res, d_out):
+    q, k, v, m, top, total, out = res
+    dq, dk, dv = _dense_bwd(q, k, v, m, top, total, out, d_out, scale, dtype, block)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
 def attention(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, dtype,
               block: int | None = None):
     """Masked softmax attention, `softmax(q k^T * scale) v` over the keys `mask_bts` allows:
     [B, K, G, T, H] from queries [B, K, G, T, H] and keys / values [B, K, S, H].
 
-    Scores and softmax are float32. With `block` (queries per block; `attention_block`
-    picks it from the scores' size) the queries run in blocks under `lax.map`, each
-    block rematerialised in the backward pass, so no [B, K, G, T, S] array exists, forward
-    or backward; each row's softmax is the same computation as in one block, so the output
-    equals the unblocked one (the keys' and values' gradients are summed over blocks, in
-    another order). A tail of T mod block queries runs as one more block.
+    Scores and softmax are float32. The backward pass recomputes the scores from q and k: its
+    residuals are q, k, v, the output and each row's softmax max and sum, so no
+    [B, K, G, T, S] array outlives the pass that makes it, and the gradients take the four
+    products of the textbook backward (dv = p^T do, dp = do v^T, ds = p (dp - rowsum(do o)),
+    dq = ds k, dk = ds^T q), not autodiff's chain through the masked softmax. With `block`
+    (queries per block; `attention_block` picks it from the scores' size) the queries run in
+    blocks under `lax.map` / `lax.scan`, so no [B, K, G, T, S] array exists at all; each
+    row's softmax is the same computation as in one block. A query the mask allows no key
+    gets the mean of all values (and no gradient through its scores), as with a softmax over
+    scores set to a large negative number.
     """
+    dtype = jnp.dtype(dtype)
+    q_bkgth = q_bkgth.astype(dtype)
     k_bksh, v_bksh = k_bksh.astype(dtype), v_bksh.astype(dtype)
-
-    def one(q, m):
-        scores = jnp.einsum("BKGTH,BKSH->BKGTS", q, k_bksh,
-                            preferred_element_type=jnp.float32) * scale
-        probs = jax.nn.softmax(jnp.where(m[:, None, None], scores, NEG_INF), axis=-1)
-        return jnp.einsum("BKGTS,BKSH->BKGTH", probs.astype(dtype), v_bksh)
-
-    t = q_bkgth.shape[3]
-    if block is None or block >= t:
-        return one(q_bkgth, mask_bts)
-    n = t // block
-    head, tail = n * block, t - n * block
-    b, k, g, _, h = q_bkgth.shape
-    qs = jnp.moveaxis(q_bkgth[:, :, :, :head].reshape(b, k, g, n, block, h), 3, 0)
-    ms = jnp.moveaxis(mask_bts[:, :head].reshape(b, n, block, -1), 1, 0)
-    out = jax.lax.map(lambda qm: jax.checkpoint(one)(*qm), (qs, ms))
-    out = jnp.moveaxis(out, 0, 3).reshape(b, k, g, head, h)
-    if tail:
-        out = jnp.concatenate([out, one(q_bkgth[:, :, :, head:], mask_bts[:, head:])], axis=3)
-    return out
+    if block is not None and block >= q_bkgth.shape[3]:
+        block = None
+    return _attention(q_bkgth, k_bksh, v_bksh, mask_bts, scale, dtype, block)

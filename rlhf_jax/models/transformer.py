@@ -25,6 +25,7 @@ from rlhf_jax.models.ops import (
     attention_block,
     dense_dot_general,
     gated_silu,
+    over_cache_prefix,
     rope,
     rope_table,
     sliding_window_mask,
@@ -232,17 +233,24 @@ class Attention(nn.Module):
         if decode:
             # One new token: products and sums over this layer's cache block (see
             # `decode_as_products`).
-            q_bkgh = q_bkgth[:, :, :, 0]
-            scores = jnp.sum(q_bkgh[:, :, :, None].astype(jnp.float32)
-                             * k_bksh[:, :, None].astype(jnp.float32), axis=-1)[:, :, :, None]
-            scores = jnp.where(q_mask_bts[:, None, None], scores * (h**-0.5), NEG_INF)
-            probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-            out_bkgh = jnp.sum(probs[:, :, :, 0, :, None].astype(jnp.float32)
-                               * v_bksh[:, :, None].astype(jnp.float32), axis=3)
-            out_bkgth = out_bkgh[:, :, :, None].astype(self.dtype)
+            def attend(k_bksh, v_bksh, q_mask_bts):
+                q_bkgh = q_bkgth[:, :, :, 0]
+                scores = jnp.sum(q_bkgh[:, :, :, None].astype(jnp.float32)
+                                 * k_bksh[:, :, None].astype(jnp.float32),
+                                 axis=-1)[:, :, :, None]
+                scores = jnp.where(q_mask_bts[:, None, None], scores * (h**-0.5), NEG_INF)
+                probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+                out_bkgh = jnp.sum(probs[:, :, :, 0, :, None].astype(jnp.float32)
+                                   * v_bksh[:, :, None].astype(jnp.float32), axis=3)
+                return out_bkgh[:, :, :, None].astype(self.dtype)
+        elif cache is not None:  # prefill, or decode as contractions
+            attend = lambda k_bksh, v_bksh, q_mask_bts: attention(
+                q_bkgth, k_bksh, v_bksh, q_mask_bts, h**-0.5, self.dtype)
+        if cache is not None:  # the cache's first positions, up to the newest key
+            out_bkgth = over_cache_prefix(attend, k_bksh, v_bksh, q_mask_bts,
+                                          write_index + t - 1)
         else:  # the full sequence (train, log-probs) in query blocks when its scores are big
-            block = None if cache is not None else attention_block(
-                (b, k, n // k, t, k_bksh.shape[2]))
+            block = attention_block((b, k, n // k, t, k_bksh.shape[2]))
             out_bkgth = attention(q_bkgth, k_bksh, v_bksh, q_mask_bts, h**-0.5, self.dtype,
                                   block)
         out_btnh = out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
