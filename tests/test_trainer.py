@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from test_verl_metric_names import check_verl_names
 from tiny_run import ROOT, algorithmic, compare, jsonl_rows, tiny
 
