@@ -58,3 +58,15 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "skipped"
         report.longrepr = (str(item.path), item.location[1] or 0,
                            f"{PLATFORM}: {message.splitlines()[0]}")
+
+
+def pytest_sessionfinish(session):
+    """In a pytest-xdist worker, after its last test: should the process still run
+    `RLHF_JAX_TEST_EXIT_TIMEOUT_S` seconds later (default 300; a thread that never ends holds
+    the interpreter's exit, and the whole run waits for the worker), print every thread's
+    stack and exit 1."""
+    if hasattr(session.config, "workerinput"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(
+            float(os.environ.get("RLHF_JAX_TEST_EXIT_TIMEOUT_S", "300")), exit=True)
