@@ -181,7 +181,10 @@ def test_trainer_with_forced_offload_trains_like_without(tmp_path, monkeypatch):
     assert kinds(trainer.actor.opt_state) == kinds(trainer.critic.opt_state) == {"pinned_host"}
     assert kinds(trainer.actor.params) == {"device"}
     resumed = Trainer(tiny(tmp_path / "offload", **keys, **off))
-    assert resumed.restore() and resumed.global_step == 2
+    got = resumed.recovery.restore(resumed.state)
+    assert got is not None
+    resumed._restored(got[0])
+    assert resumed.global_step == 2
     resumed.checkpointer.close()
     assert kinds(resumed.ref_params) == kinds(resumed.actor.opt_state) == {"pinned_host"}
     for a, b in zip(jax.tree.leaves(jax.device_get(trainer.actor.opt_state)),
