@@ -27,7 +27,6 @@ import numpy as np
 from rlhf_jax import (
     async_rollout,
     batching,
-    distributed,
     dynamic_sampling,
     lora,
     offload,
@@ -83,7 +82,7 @@ class Trainer:
             raise ConfigError(f"algorithm.adv_estimator: {self.estimator.name!r} needs a "
                               "critic's values; set critic.enable=true")
         self.run_dir = preflight.run_dir(cfg)
-        self._prepare_synthetic()
+        tasks.prepare_on_every_host(cfg)
         model_cfg = cfg.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
         self._build_data()
@@ -150,17 +149,6 @@ class Trainer:
     del _field
 
     # ------------------------------------------------------------------------------ set-up
-
-    def _prepare_synthetic(self):
-        if self.cfg.synthetic.task is None:
-            return
-        # Process 0 writes the files first; the others then find them (a shared disk) or write
-        # their own identical copy (same seed), never while another process is writing.
-        for turn in (0, 1):
-            if (jax.process_index() == 0) == (turn == 0):
-                tasks.prepare(self.cfg)
-                tasks.prepare_model(self.cfg)
-            distributed.barrier(f"rlhf_jax-synthetic-{turn}")
 
     def _build_data(self):
         self.train_loader, self.val_loader = make_loaders(self.cfg, self.tokenizer)

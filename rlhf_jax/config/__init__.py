@@ -28,6 +28,13 @@ from rlhf_jax.config.loader import (
     to_dict,
     to_yaml,
 )
+from rlhf_jax.config.run_schema import (
+    MeshConfig,
+    RollbackConfig,
+    SftWarmupConfig,
+    SyntheticConfig,
+    TrainerConfig,
+)
 from rlhf_jax.config.schema import (
     ActorConfig,
     ActorPolicyLossConfig,
@@ -40,19 +47,14 @@ from rlhf_jax.config.schema import (
     CustomRewardFunctionConfig,
     DataConfig,
     KLCtrlConfig,
-    MeshConfig,
     ModelConfig,
     OptimConfig,
     RefConfig,
     RewardConfig,
     RewardModelConfig,
     RewardModelModelConfig,
-    RollbackConfig,
     RolloutConfig,
     SamplingConfig,
-    SftWarmupConfig,
-    SyntheticConfig,
-    TrainerConfig,
 )
 from rlhf_jax.errors import ConfigError
 

@@ -274,6 +274,14 @@ class Section:
                 object.__setattr__(self, f.name, new)
 
 
+section = dataclasses.dataclass(frozen=True, kw_only=True)  # a config section's decorator
+
+
+def factory(cls):
+    """A field whose default is a fresh `cls` section."""
+    return dataclasses.field(default_factory=cls)
+
+
 @functools.cache
 def all_paths(root: type) -> tuple[str, ...]:
     """Every key path of the schema, sections included (`data`, `data.train_files`, ...)."""

@@ -205,7 +205,7 @@ def _block_fwd(q, k, v, m, scale, dtype):
 
 
 def _block_bwd(q, k, v, m, top, total, out, d_out, scale, dtype):
-    """The block's dq [B, K, G, C, H], dk and dv [B, K, W, H] (float32), the scores
+    """The block's dq [B, K, G, C, H], dk and dv [B, K, S, H] (float32), the scores
     recomputed from q and k."""
     s = jnp.einsum("BKGTH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
     s = jnp.where(m[:, None, None], s, NEG_INF)
@@ -222,51 +222,48 @@ def _block_bwd(q, k, v, m, top, total, out, d_out, scale, dtype):
     return dq, dk, dv
 
 
-def _split(q, m, queries):
-    """Queries [B, K, G, T, H] and mask rows [B, T, S] in N blocks of `queries` (T padded)."""
-    t = q.shape[3]
-    n = -(-t // queries)
-    pad = n * queries - t
-    q = jnp.pad(q, ((0, 0),) * 3 + ((0, pad), (0, 0)))
-    m = jnp.pad(m, ((0, 0), (0, pad), (0, 0)))
-    return ([q[:, :, :, i * queries:(i + 1) * queries] for i in range(n)],
-            [m[:, i * queries:(i + 1) * queries] for i in range(n)])
+def _blocks(x, axis: int, block: int, value=0):
+    """`x` with its T axis padded with `value` to whole blocks of `block` and split, the
+    block index leading: [..., T, ...] -> [N, ..., block, ...]."""
+    t = x.shape[axis]
+    n = -(-t // block)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, n * block - t)
+    x = jnp.pad(x, pad, constant_values=value)
+    return jnp.moveaxis(x.reshape(*x.shape[:axis], n, block, *x.shape[axis + 1:]), axis, 0)
+
+
+def _unblocks(x, axis: int, t: int):
+    """Undoes `_blocks`: [N, ..., block, ...] -> [..., T, ...]."""
+    x = jnp.moveaxis(x, 0, axis)
+    x = x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+    return jax.lax.slice_in_dim(x, 0, t, axis=axis)
 
 
 def _dense_fwd(q, k, v, m, scale, dtype, block):
     """All keys; the queries in blocks of `block` under `lax.map` (None: one block)."""
-    t = q.shape[3]
-    if block is None or block >= t:
+    if block is None:
         return _block_fwd(q, k, v, m, scale, dtype)
-    n = -(-t // block)
-    qs, ms = _split(q, m, block)
-    out, top, total = jax.lax.map(lambda a: _block_fwd(a[0], k, v, a[1], scale, dtype),
-                                  (jnp.stack(qs), jnp.stack(ms)))
-    cat = lambda x: jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], n * block, *x.shape[5:])
-    return tuple(cat(x)[:, :, :, :t] for x in (out, top, total))
+    t = q.shape[3]
+    outs = jax.lax.map(lambda a: _block_fwd(a[0], k, v, a[1], scale, dtype),
+                       (_blocks(q, 3, block), _blocks(m, 1, block, False)))
+    return tuple(_unblocks(x, 3, t) for x in outs)
 
 
 def _dense_bwd(q, k, v, m, top, total, out, d_out, scale, dtype, block):
-    t = q.shape[3]
-    if block is None or block >= t:
+    """dq, dk, dv of `_dense_fwd`: the query blocks under `lax.scan`, dk and dv summed."""
+    if block is None:
         return _block_bwd(q, k, v, m, top, total, out, d_out, scale, dtype)
-    n = -(-t // block)
-    qs, ms = _split(q, m, block)
-
-    def per(x, value=0):  # [B, K, G, T, ...] -> [N, B, K, G, block, ...], T padded with value
-        x = jnp.pad(x, ((0, 0),) * 3 + ((0, n * block - t),) + ((0, 0),) * (x.ndim - 4),
-                    constant_values=value)
-        return jnp.moveaxis(x.reshape(*x.shape[:3], n, block, *x.shape[4:]), 3, 0)
 
     def one(carry, a):
-        dq, dk, dv = _block_bwd(a[0], k, v, a[1], a[2], a[3], a[4], a[5], scale, dtype)
+        dq, dk, dv = _block_bwd(a[0], k, v, *a[1:], scale, dtype)
         return (carry[0] + dk, carry[1] + dv), dq
 
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    (dk, dv), dq = jax.lax.scan(one, zeros, (jnp.stack(qs), jnp.stack(ms), per(top),
+    per = lambda x, value=0: _blocks(x, 3, block, value)  # padded rows: sum 1, not 0 / 0
+    (dk, dv), dq = jax.lax.scan(one, zeros, (per(q), _blocks(m, 1, block, False), per(top),
                                              per(total, 1), per(out), per(d_out)))
-    dq = jnp.moveaxis(dq, 0, 3).reshape(*dq.shape[1:4], n * block, dq.shape[-1])
-    return dq[:, :, :, :t], dk, dv
+    return _unblocks(dq, 3, q.shape[3]), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))

@@ -18,11 +18,9 @@ bucket, R max_decode_length, V vocabulary, K kv heads, H head dim; the KV cache 
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import math
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,12 +35,13 @@ from rlhf_jax.mesh import Rules, logical_to_pspec
 from rlhf_jax.models.model import CACHE_AXES, Model
 from rlhf_jax.models.transformer import KVCache
 from rlhf_jax.rollout.engine_programs import EnginePrograms
+from rlhf_jax.rollout.program_cache import ProgramCache
 from rlhf_jax.rollout.reshard import reshard
 from rlhf_jax.rollout.sampling import SamplingParams
 from rlhf_jax.rollout.state import DecodeState, Prefix, ResultTokens, default_buckets, key_data
 
 
-class Engine(EnginePrograms):
+class Engine(EnginePrograms, ProgramCache):
     """Prefill, insert and generate for one model on one mesh (generate layout).
 
     Args:
@@ -91,14 +90,10 @@ class Engine(EnginePrograms):
         self.prefill_buckets = tuple(buckets)
         self.default_sampling = self.resolve_sampling(sampling or SamplingParams())
         self.param_shardings = model.shardings(mesh, rules)
-        # Traces per jitted function, keyed like `_jits`: ("prefill", b, T, T0, m, rule),
+        # Traces per jitted function (`ProgramCache`), keyed ("prefill", b, T, T0, m, rule),
         # ("insert", b, T, m), ("generate", steps, rule), ("init", key shape); rule: the
         # sampler's `program()` (greedy or not is an argument).
-        self.trace_counts: collections.Counter[tuple] = collections.Counter()
-        self._jits: dict[tuple, Any] = {}
-        # Programs a `precompile` (maybe in another thread) is compiling: key -> (done, thread).
-        self._pending: dict[tuple, tuple[threading.Event, int]] = {}
-        self._lock = threading.Lock()
+        self._reset_programs()
         self._jit_kw = {"compiler_options": dict(compiler_options)} if compiler_options else {}
         self._replicated = NamedSharding(mesh, P())
         self.compact_min_length = compact_min_length
@@ -174,23 +169,6 @@ class Engine(EnginePrograms):
             )
         return s
 
-    def _jit(self, key: tuple, build):
-        """The jitted function of `key`, built once; its traces are counted in `trace_counts`.
-
-        While another thread's `precompile` compiles it, this waits for that compile rather
-        than compiling the program a second time.
-        """
-        with self._lock:
-            if key not in self._jits:
-                self._jits[key] = build()
-            fn, pending = self._jits[key], self._pending.get(key)
-        if pending is not None and pending[1] != threading.get_ident():
-            pending[0].wait()
-        return fn
-
-    def _traced(self, key: tuple) -> None:
-        self.trace_counts[key] += 1  # a Python side effect: runs once per trace
-
     def bucket_for(self, length: int) -> int:
         """The smallest prefill bucket that holds `length` tokens."""
         for b in self.prefill_buckets:
@@ -261,8 +239,7 @@ class Engine(EnginePrograms):
             raise ConfigError(f"rollout engine: max_concurrent_decodes must be >= 1, got {slots}")
         out = copy.copy(self)
         out._slots = slots
-        out.trace_counts = collections.Counter()
-        out._jits, out._pending, out._lock = {}, {}, threading.Lock()
+        out._reset_programs()
         out._smaller = {}
         return out
 
@@ -465,35 +442,6 @@ class Engine(EnginePrograms):
                                                   self._replicated))
 
     # ----------------------------------------------------------- ahead-of-time compiling
-
-    def _claim(self, key: tuple, build) -> bool:
-        """Builds `key`'s function for this thread to compile; False if it exists already
-        (built, so compiled or being compiled by its first caller)."""
-        with self._lock:
-            if key in self._jits:
-                return False
-            self._jits[key] = build()
-            self._pending[key] = (threading.Event(), threading.get_ident())
-            return True
-
-    def _compiled(self, call) -> Any:
-        """Compiles the program of `call` = `(key, build, args)` without running it (if no
-        one built it before) and returns its outputs' shapes and shardings."""
-        key, build, args = call
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(  # an uncommitted array may go anywhere
-                x.shape, x.dtype, sharding=x.sharding if getattr(x, "committed", True) else None)
-            if isinstance(x, jax.Array | jax.ShapeDtypeStruct) else x, args)
-        claimed = self._claim(key, build)
-        fn = self._jits[key]
-        try:
-            if claimed:
-                fn.lower(*abstract).compile()
-            return jax.eval_shape(fn, *abstract)
-        finally:
-            if claimed:
-                with self._lock:
-                    self._pending.pop(key)[0].set()
 
     def precompile(self, params, *, prefill_batches: Sequence[int], length: int,
                    num_samples: int = 1, generate_steps: Sequence[int] = (),

@@ -54,3 +54,20 @@ def prepare_model(cfg) -> None:
     from rlhf_jax.roles import ensure_model_weights  # jax and the model: only when needed
 
     ensure_model_weights(path, task.MODEL, cfg.synthetic.seed)
+
+
+def prepare_on_every_host(cfg) -> None:
+    """`prepare` and `prepare_model` in every process of the job: process 0 writes the files
+    first; the others then find them (a shared disk) or write their own identical copy (same
+    seed), never while another process is writing. No task -> nothing."""
+    if cfg.synthetic.task is None:
+        return
+    import jax
+
+    from rlhf_jax import distributed
+
+    for turn in (0, 1):
+        if (jax.process_index() == 0) == (turn == 0):
+            prepare(cfg)
+            prepare_model(cfg)
+        distributed.barrier(f"rlhf_jax-synthetic-{turn}")
