@@ -15,6 +15,14 @@ weighs or rejects the tokens of the gap. Generation runs on the mesh preset's
 `rollout_sizes` devices when it has them (the train mesh's otherwise); the actor's weights
 go there after each update in the generate layout, device to device (`rollout.reshard`).
 
+On several hosts (`roles.build_mesh`) each host's rollout devices are a mesh of their own
+and generate the host's share of the batch's prompts (their sampling keys follow their place
+in the whole batch, so the tokens are those one host would sample); the training thread
+joins the shares into the step's batch on every host (`distributed.allgather_objects`), and
+the trained weights reach each host's rollout devices by one all-gather on the train mesh.
+The rollout thread so runs no collective across hosts: every collective is the training
+thread's, in the same order on every host.
+
 The run state keeps the rollout's K older weights (`RunState.behaviour`), so a checkpoint
 of step c regenerates the batches in flight at c (c + 1 .. c + 1 + K) exactly: each batch's
 prompts come from the loader in step order and its sampling key from its step. A resumed
@@ -29,8 +37,16 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import dataclasses
 import time
 from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlhf_jax import distributed
+from rlhf_jax.experience import Experience
 
 
 class Job(NamedTuple):
@@ -45,13 +61,23 @@ class Job(NamedTuple):
     future: cf.Future
 
 
+# A copy of train-layout weights the update will not donate away (several hosts).
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
 def with_behaviour(trainer, state):
     """`state` holding the rollout's older weights the mode keeps (a template of their
-    structure for restoring a checkpoint); unchanged with the hybrid engine."""
+    structure for restoring a checkpoint); unchanged with the hybrid engine. They are kept
+    in the generate layout on the rollout devices, or on several hosts, where each host's
+    rollout devices are its own, in the train layout (a checkpoint's arrays span hosts)."""
     if trainer.cfg.actor_rollout_ref.hybrid_engine:
         return state
     k = trainer.cfg.async_training.max_staleness
-    return state._replace(behaviour=(trainer.gen_params,) * k)
+    if not k:
+        return state
+    # A copy: the update (and the SFT warm start) donate the train state's arrays.
+    kept = _copy(state.actor.params) if trainer.layouts.rollout_per_host else trainer.gen_params
+    return state._replace(behaviour=(kept,) * k)
 
 
 def start(trainer):
@@ -59,7 +85,7 @@ def start(trainer):
     hybrid engine (the synchronous loop)."""
     if trainer.cfg.actor_rollout_ref.hybrid_engine:
         return None
-    return OneStepOff(trainer)  # one host: roles.build_mesh refuses several
+    return OneStepOff(trainer)
 
 
 class OneStepOff:
@@ -71,6 +97,7 @@ class OneStepOff:
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="rollout")
         self.jobs: collections.deque[Job] = collections.deque()
         self.trained = trainer.state.step  # the last step trained (or restored)
+        self.per_host = trainer.layouts.rollout_per_host
         self.launch_all(trainer.state)
 
     # ------------------------------------------------------------------------ the rollout
@@ -78,11 +105,16 @@ class OneStepOff:
     def launch_all(self, state) -> None:
         """Starts the batches after `state.step` that the weights at hand may generate:
         K of the older weights (`state.behaviour`), then one of the current ones."""
+        t = self.t
         if state.step == 0:  # every batch up to K + 1 samples the weights of step 0
-            state = state._replace(behaviour=(self.t.gen_params,) * self.k)
-            self.t.state = self.t.state._replace(behaviour=state.behaviour)
-        weights = (*tuple(state.behaviour), self.t.gen_params)
-        for i, params in enumerate(weights):
+            if not self.per_host:
+                t.state = t.state._replace(behaviour=(t.gen_params,) * self.k)
+            older = (t.gen_params,) * self.k
+        elif self.per_host:  # train layout -> this host's rollout devices
+            older = tuple(t.weight_sync(params)[0] for params in state.behaviour)
+        else:
+            older = tuple(state.behaviour)
+        for i, params in enumerate((*older, t.gen_params)):
             self._launch(state.step + 1 + i, max(0, state.step - self.k + i), params)
 
     def _launch(self, step: int, version: int, params) -> None:
@@ -95,7 +127,13 @@ class OneStepOff:
 
     def _generate(self, batch, step: int, params):
         start = time.perf_counter()
-        exp = self.t.rollout(batch, step, params)
+        if not self.per_host:
+            return self.t.rollout(batch, step, params), time.perf_counter() - start
+        lo, hi = _share(len(batch.input_ids))
+        exp = self.t.rollout(_prompts(batch, lo, hi), step, params, prompt_offset=lo)
+        if exp.pending_rewards is not None:  # the pool's futures cannot leave this host
+            exp = exp._replace(scores=exp.pending_rewards.result().scores,
+                               pending_rewards=None)
         return exp, time.perf_counter() - start
 
     # -------------------------------------------------------------------------- the step
@@ -110,10 +148,14 @@ class OneStepOff:
             raise RuntimeError(f"one-step-off: batch of step {job.step} (weights of step "
                                f"{job.version}) at step {state.step + 1}, bound {self.k}")
         exp, busy = job.future.result()
+        if self.per_host:  # every host's share of the batch, on every host
+            exp, busy = _joined(distributed.allgather_objects((exp, busy)))
         gen_wait = time.perf_counter() - start
         state = state._replace(step=job.step, loader=job.loader, epoch=job.epoch)
         exp = t.make_experience(job.batch, state, rolled=exp)
         before = t.gen_params  # the weights of step job.step - 1
+        if self.per_host and self.k:  # kept in the train layout, which the update donates
+            before = _copy(state.actor.params)
         state, metrics = t.learn(state, exp)  # ends by moving the new weights over
         if self.k:
             state = state._replace(behaviour=(*tuple(state.behaviour)[1:], before))
@@ -152,3 +194,45 @@ class OneStepOff:
         for job in self.jobs:
             job.future.cancel()
         self.pool.shutdown(wait=True)
+
+
+# ------------------------------------------------------------------ several hosts' shares
+
+
+def _share(prompts: int) -> tuple[int, int]:
+    """This host's prompts `[lo, hi)` of a batch of `prompts` (equal shares in host order:
+    the launcher makes data.train_batch_size a multiple of the host count)."""
+    hosts, me = jax.process_count(), jax.process_index()
+    if prompts % hosts:
+        raise RuntimeError(f"one-step-off: a batch of {prompts} prompts does not split "
+                           f"over {hosts} hosts")
+    per = prompts // hosts
+    return me * per, (me + 1) * per
+
+
+def _prompts(batch, lo: int, hi: int):
+    """Rows `[lo, hi)` of a `PromptBatch`."""
+    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name)[lo:hi]
+                                         for f in dataclasses.fields(batch)})
+
+
+def _joined(parts: list[tuple[Experience, float]]) -> tuple[Experience, float]:
+    """The hosts' rollouts of their shares (in host order) as the one of the whole batch,
+    and the longest host's generation time. The stages' times are the slowest host's."""
+    exps = [e for e, _ in parts]
+    offsets = np.cumsum([0] + [e.index.max() + 1 for e in exps[:-1]])  # prompts a share
+    fields = {}
+    for name in Experience._fields:
+        values = [getattr(e, name) for e in exps]
+        if name == "index":
+            fields[name] = np.concatenate([v + o for v, o in zip(values, offsets, strict=True)])
+        elif name == "times":
+            fields[name] = {k: max(v.get(k, 0.0) for v in values) for k in values[0]}
+        elif all(v is None for v in values) or name == "metrics" and not any(values):
+            continue
+        elif name in ("seqs", "rollout_log_probs", "scores", "reward_baselines"):
+            fields[name] = jax.tree.map(lambda *xs: np.concatenate(xs), *values)
+        else:
+            raise RuntimeError(f"one-step-off: the rollout filled Experience.{name}, which "
+                               "the hosts' shares do not join")
+    return Experience(**fields), max(busy for _, busy in parts)

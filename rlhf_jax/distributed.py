@@ -16,6 +16,7 @@ shuffles, metrics) are identical everywhere because they are computed from ident
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import re
@@ -147,14 +148,52 @@ def allgather_objects(obj: Any) -> list[Any]:
 
     if jax.process_count() == 1:
         return [obj]
-    from jax.experimental import multihost_utils
-
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.int64(data.size))).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
+    sizes = _allgather_rows(np.asarray([data.size], np.int64))[:, 0]
+    # Padded to a power of two, so a run compiles a handful of gathers, not one a size.
+    padded = np.zeros(max(1024, 1 << int(sizes.max() - 1).bit_length()), np.uint8)
     padded[: data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(padded))  # [processes, max size]
+    rows = _allgather_rows(padded)  # [processes, padded size]
     return [pickle.loads(rows[i, : int(n)].tobytes()) for i, n in enumerate(sizes)]
+
+
+def _allgather_rows(row: np.ndarray) -> np.ndarray:
+    """`[processes, *row.shape]`: every process's `row`, gathered through the first local
+    device of each process only. (`multihost_utils.process_allgather` runs on every device,
+    so it would queue behind the one-step-off mode's rollout programs on the rollout
+    devices, which the split puts after each host's train devices.)"""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    first: dict[int, Any] = {}
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        first.setdefault(d.process_index, d)
+    mesh = Mesh(np.asarray([first[p] for p in sorted(first)]), ("process",))
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("process")), row[None])
+    return np.asarray(_moved_to(NamedSharding(mesh, P()))(x).addressable_data(0))
+
+
+@functools.cache
+def _moved_to(sharding):
+    """A jitted identity onto `sharding` (one per sharding, so each compiles once a shape)."""
+    import jax
+
+    return jax.jit(lambda tree: tree, out_shardings=sharding)
+
+
+def host_local_copy(tree, mesh):
+    """The arrays of `tree` (laid out over `mesh`, which may span every host), each whole
+    on one of this host's devices: an all-gather over `mesh` (a collective: every process
+    calls it, in the same order), then this host's copy. The one-step-off mode moves the
+    trained weights to each host's own rollout devices so (`roles.build_mesh`): the train
+    devices hold one whole copy for the moment of the transfer."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    whole = _moved_to(NamedSharding(mesh, P()))(tree)
+    return jax.tree.map(lambda x: x.addressable_data(0), whole)
 
 
 def gather_batch(batch):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +101,17 @@ class WeightSync:
     the merged kernels.
 
     `__call__(params, rebase) -> (generate-layout params of the engine's model, bytes moved)`.
+    `gather`: where the generate layout is on this host's devices alone (the one-step-off
+    mode on several hosts), what first makes a host-local copy of the train-layout params
+    (`distributed.host_local_copy`); None: the layouts share a device set, nothing first.
     """
 
-    def __init__(self, model: Model, gen_shardings):
+    def __init__(self, model: Model, gen_shardings, gather: Callable | None = None):
         self.spec = model.cfg.lora
         self.shardings = gen_shardings
+        self.gather = gather
+        if gather is not None and self.spec is not None:
+            raise ValueError("a host-local generate layout moves full weights only (no LoRA)")
         self._gen_base = None
         if self.spec is not None:
             ad_sh, base_sh = adapters(gen_shardings), strip(gen_shardings)
@@ -120,7 +127,8 @@ class WeightSync:
         """`rebase`: the frozen base changed too (the warm start, a restore); it moves then,
         and at the first call."""
         if self.spec is None:
-            return reshard(params, self.shardings), nbytes(params)
+            local = params if self.gather is None else self.gather(params)
+            return reshard(local, self.shardings), nbytes(params)
         moved = 0
         if self._gen_base is None or rebase:
             base = strip(params)

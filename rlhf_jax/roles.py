@@ -26,6 +26,9 @@ class Layouts:
     mesh: Any  # the train mesh
     spec: MeshSpec
     rollout_mesh: Any = None  # the one-step-off mode's rollout devices (None: `mesh`)
+    # Several hosts in the one-step-off mode: `rollout_mesh` is this host's own devices,
+    # which generate this host's share of each batch (`_split_hosts`).
+    rollout_per_host: bool = False
 
     @property
     def gen_mesh(self):
@@ -43,13 +46,20 @@ class Layouts:
 
 def build_mesh(cfg) -> Layouts:
     """The train mesh, and the one-step-off mode's rollout mesh when the preset has
-    `rollout_sizes` (on the devices after the train mesh's)."""
+    `rollout_sizes` (on the devices after the train mesh's; with several hosts, on each
+    host's devices after its share of the train mesh: `_split_hosts`)."""
     m = cfg.mesh
     sizes = {k: getattr(m, k) for k in
              ("data", "fsdp", "tensor", "dcn_data", "dcn_fsdp", "dcn_tensor")}
     spec = load_mesh_spec(m.preset, sizes)
     if spec.rollout_sizes is None:
-        return _one_host(cfg, Layouts(make_mesh(spec), spec))
+        layouts = Layouts(make_mesh(spec), spec)
+        # After the mesh: asking for the process count starts the backend, which must come
+        # after the simulated CPU device count is set.
+        if not cfg.actor_rollout_ref.hybrid_engine and jax.process_count() > 1:
+            raise ConfigError(f"actor_rollout_ref.hybrid_engine: false on several hosts "
+                              f"needs a mesh preset with rollout_sizes (got {spec.name})")
+        return layouts
     if cfg.actor_rollout_ref.hybrid_engine:
         raise ConfigError(f"mesh {spec.name} has rollout_sizes, devices of their own for the "
                           "rollout: set actor_rollout_ref.hybrid_engine=false")
@@ -63,17 +73,40 @@ def build_mesh(cfg) -> Layouts:
         raise ConfigError(f"mesh {spec.name} needs {n_train} train + {n_roll} rollout "
                           f"devices, {len(devices)} are available")
     rollout = dataclasses.replace(spec, sizes=spec.rollout_sizes)
-    return _one_host(cfg, Layouts(make_mesh(spec, devices[:n_train]), spec,
-                                  make_mesh(rollout, devices[n_train:n_train + n_roll])))
+    if jax.process_count() > 1:
+        return _split_hosts(spec, rollout)
+    return Layouts(make_mesh(spec, devices[:n_train]), spec,
+                   make_mesh(rollout, devices[n_train:n_train + n_roll]))
 
 
-def _one_host(cfg, layouts: Layouts) -> Layouts:
-    # After the meshes: asking for the process count starts the backend, which must come
-    # after the simulated CPU device count is set.
-    if not cfg.actor_rollout_ref.hybrid_engine and jax.process_count() > 1:
-        raise ConfigError("actor_rollout_ref.hybrid_engine: false runs on one host for now; "
-                          "set it true for a multi-host run")
-    return layouts
+def _split_hosts(spec: MeshSpec, rollout: MeshSpec) -> Layouts:
+    """The one-step-off split on several hosts: each host gives its first
+    train devices / hosts devices to the one train mesh (spanning every host, data-parallel
+    across them), and the next rollout devices / hosts to a rollout mesh of its own, of
+    `rollout_sizes` with the data axis divided by the host count. Each host then generates
+    its share of the batch's prompts on its own devices, so the rollout thread runs no
+    collective across hosts (those of the training thread, interleaved with them in a
+    different order on each host, would mismatch); the trained weights reach every host's
+    rollout devices through one all-gather on the train mesh, at a fixed point of the step
+    (`distributed.host_local_copy`)."""
+    hosts, n_train = jax.process_count(), math.prod(spec.sizes)
+    data, fsdp, tensor = spec.rollout_sizes
+    if n_train % hosts or data % hosts:
+        raise ConfigError(f"mesh {spec.name} on {hosts} hosts: the train devices ({n_train}) "
+                          f"and the rollout's data size ({data}) must be multiples of the "
+                          "host count (each host takes an equal share of both)")
+    per_train, local = n_train // hosts, jax.local_devices()
+    mine = dataclasses.replace(rollout, sizes=(data // hosts, fsdp, tensor))
+    per_roll = math.prod(mine.sizes)
+    if len(local) < per_train + per_roll:
+        raise ConfigError(f"mesh {spec.name} on {hosts} hosts needs {per_train} train + "
+                          f"{per_roll} rollout devices a host, this one has {len(local)}")
+    by_host: dict[int, list] = {}
+    for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+        by_host.setdefault(d.process_index, []).append(d)
+    train = [d for h in sorted(by_host) for d in by_host[h][:per_train]]
+    ours = sorted(local, key=lambda d: d.id)[per_train:per_train + per_roll]
+    return Layouts(make_mesh(spec, train), spec, make_mesh(mine, ours), rollout_per_host=True)
 
 
 def load_or_init(model: Model, path: str | Path | None, layouts: Layouts, rng) -> Any:

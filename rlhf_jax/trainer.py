@@ -27,6 +27,7 @@ import numpy as np
 from rlhf_jax import (
     async_rollout,
     batching,
+    distributed,
     dynamic_sampling,
     lora,
     offload,
@@ -184,7 +185,9 @@ class Trainer:
         self.lora_bases = lora.Bases({"actor": self.actor_model, "critic": self.critic_model},
                                      {"actor": arr.model.path, "critic": path}, lay)
         self.gen_shardings = self.actor_model.shardings(lay.gen_mesh, lay.spec.generate_rules)
-        self.weight_sync = lora.WeightSync(self.actor_model, self.gen_shardings)
+        gather = functools.partial(distributed.host_local_copy, mesh=lay.mesh) \
+            if lay.rollout_per_host else None
+        self.weight_sync = lora.WeightSync(self.actor_model, self.gen_shardings, gather)
         self.gen_params, self.sync_bytes = self.weight_sync(actor.params)
         self.engine, self.rollout_budget = roles.engine(
             cfg, self.weight_sync.engine_model(self.actor_model), lay, self.gen_params)
@@ -216,13 +219,15 @@ class Trainer:
             eos_ids=tuple(self.tokenizer.eos_token_ids), pad_id=self.tokenizer.pad_token_id,
         )
 
-    def generate(self, batch, n: int, sampling: SamplingParams, seed, params=None
-                 ) -> Experience:
+    def generate(self, batch, n: int, sampling: SamplingParams, seed, params=None,
+                 prompt_offset: int = 0) -> Experience:
         """`n` responses for each prompt of `batch` from the engine's current weights (or
-        `params`, in the generate layout)."""
+        `params`, in the generate layout); `batch` is the prompts from `prompt_offset` on
+        of the step's batch (their sampling keys follow their place in it)."""
         out = generate_sequences(
             self.engine, self.gen_params if params is None else params, batch.input_ids,
             batch.attention_mask, n=n, sampling=sampling, rng=seed,
+            prompt_offset=prompt_offset,
         )
         responses, response_mask = np.asarray(out.responses), np.asarray(out.response_mask)
         seqs = ts.Sequences.padded(
@@ -257,17 +262,18 @@ class Trainer:
         """One forward pass over the step's sequences (`programs.forward`)."""
         return programs.forward(self, name, params, seqs, chunks)
 
-    def _sampled(self, batch, seed, timer: Timer, params=None, defer: bool = False
-                 ) -> tuple[Experience, Rewards | None]:
+    def _sampled(self, batch, seed, timer: Timer, params=None, defer: bool = False,
+                 prompt_offset: int = 0) -> tuple[Experience, Rewards | None]:
         """gen (and ReMax's gen_max) -> reward on `batch`: the scored experience and the
         rewards it was scored with; with `defer` and a reward pool, the experience with its
         rewards in flight (`pending_rewards`; the "reward" stage collects them) and None."""
         n = self.cfg.actor_rollout_ref.rollout.n
         with timer("gen"):
-            exp = self.generate(batch, n, self.sampling(), seed, params)
+            exp = self.generate(batch, n, self.sampling(), seed, params, prompt_offset)
         if "reward_baselines" in self.estimator.needs:
             with timer("gen_max"):  # verl's ReMax: one greedy response per prompt
-                greedy = self.generate(batch, 1, self.sampling(greedy=True), seed, params)
+                greedy = self.generate(batch, 1, self.sampling(greedy=True), seed, params,
+                                       prompt_offset)
         with timer("reward"):
             rewards = None
             if defer and self.reward_pool is not None:
@@ -279,12 +285,14 @@ class Trainer:
                 exp = exp._replace(reward_baselines=np.repeat(self.score(batch, greedy, 1), n))
         return exp, rewards
 
-    def rollout(self, batch, step: int, params=None) -> Experience:
+    def rollout(self, batch, step: int, params=None, prompt_offset: int = 0) -> Experience:
         """Step `step`'s sampled experience of `batch` (gen, reward), with its times: the
-        first half of `make_experience`, which the one-step-off mode runs on its own."""
+        first half of `make_experience`, which the one-step-off mode runs on its own (on
+        several hosts, each host on its share of the prompts, from `prompt_offset`)."""
         timer = Timer()
         seed = jax.random.fold_in(jax.random.key(self.cfg.trainer.seed + 1), step)
-        exp, _ = self._sampled(batch, seed, timer, params, defer=True)
+        exp, _ = self._sampled(batch, seed, timer, params, defer=True,
+                               prompt_offset=prompt_offset)
         return exp._replace(times=timer.times)
 
     def make_experience(self, batch, state: RunState, rolled: Experience | None = None

@@ -110,11 +110,18 @@ def test_async_keys_take_effect_or_are_refused(overrides, message):
                        "reward.timeout_s=5"])
 
 
-def test_the_mode_refuses_several_hosts(monkeypatch):
+def test_several_hosts_need_a_split_each_host_can_take_a_share_of(monkeypatch):
+    """(The split itself, on 2 processes: tests/test_distributed.py.)"""
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ConfigError, match="runs on one host for now"):
+    with pytest.raises(ConfigError, match="on several hosts needs a mesh preset with "
+                       "rollout_sizes"):
         roles.build_mesh(load_config(None, [*MINIMAL, "actor_rollout_ref.hybrid_engine=false"]))
     roles.build_mesh(load_config(None, MINIMAL))  # the hybrid engine: as before
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    with pytest.raises(ConfigError, match=r"rollout's data size \(2\) must be multiples of "
+                       "the host count"):
+        roles.build_mesh(load_config(None, [*MINIMAL, "mesh=cpu-8-async",
+                                            "actor_rollout_ref.hybrid_engine=false"]))
 
 
 def test_the_split_mesh_trains_on_four_devices_and_generates_on_the_other_four():

@@ -1,10 +1,12 @@
 """Several processes, one mesh: jax.distributed start-up, the Ray launcher, failures.
 
 Default run: argument checks, the launcher's one-line errors, a two-process check of the
-host-side pieces (gathered prompts, batch placement, a rollout's host loop) against one
-process, and a failed host bringing a Ray job down. Slow (`-m slow`): two PPO steps of the
-tiny config on 2 Ray processes x 4 CPU devices equal the single-process 8-device run, and so
-does a third step after both resume from their checkpoints; a host that dies at step 1.
+host-side pieces (gathered prompts, batch placement, a rollout's host loop, the one-step-off
+mode's split of each host's devices) against one process, and a failed host bringing a Ray
+job down. Slow (`-m slow`): two PPO steps of the tiny config on 2 Ray processes x 4 CPU
+devices equal the single-process 8-device run, and so does a third step after both resume
+from their checkpoints, in the synchronous and in the one-step-off mode; a host that dies at
+step 1.
 """
 
 from __future__ import annotations
@@ -139,13 +141,28 @@ def test_two_processes_see_what_one_process_sees(tmp_path):
     single = multihost_check.compute(data)
     assert int(single["devices"]) == 8 and not single["rows_sharded_over_hosts"]
     np.testing.assert_array_equal(single["roundtrip"], np.arange(96).reshape(16, 6))
+    # the one-step-off split: 4 train + 4 rollout devices here, 2 + 2 a host on 2 hosts
+    np.testing.assert_array_equal(single["on_rollout_devices"], np.arange(96).reshape(16, 6))
+    assert json.loads(str(single.pop("split"))) == {
+        "per_host": False, "train_devices_by_process": [4], "rollout_devices_mine": True,
+        "train_mesh": {"data": 2, "fsdp": 2, "tensor": 1},
+        "rollout_mesh": {"data": 2, "fsdp": 1, "tensor": 2}}
+    np.testing.assert_array_equal(single["joined_index"], np.repeat(np.arange(4), 2))
+    np.testing.assert_array_equal(single["joined_slowest"], [0.5, 1.0])
     for i in range(2):
         got = dict(np.load(tmp_path / f"r.{i}.npz"))
         assert int(got.pop("process")) == i and int(got["devices"]) == 8
         assert got.pop("rows_sharded_over_hosts")  # so `fetch` really gathered across hosts
         assert json.loads(str(got.pop("objects"))) == [{"process": 0, "text": "xxx"},
                                                        {"process": 1, "text": "xxxx"}]
-        assert got.keys() == single.keys() - {"rows_sharded_over_hosts", "objects"}
+        assert json.loads(str(got.pop("split"))) == {
+            "per_host": True, "train_devices_by_process": [2, 2], "rollout_devices_mine": True,
+            "train_mesh": {"data": 2, "fsdp": 2, "tensor": 1},
+            "rollout_mesh": {"data": 1, "fsdp": 1, "tensor": 2}}
+        # the slowest host's generation and stage times
+        np.testing.assert_array_equal(got.pop("joined_slowest"), [1.5, 2.0])
+        assert got.keys() == single.keys() - {"rows_sharded_over_hosts", "objects",
+                                              "joined_slowest"}
         for k, v in got.items():
             np.testing.assert_array_equal(v, single[k], err_msg=f"{k} process {i}")
 
@@ -230,13 +247,46 @@ def test_two_hosts_match_one_host(tmp_path):
     assert [e["from_step"] for e in events if e.get("event") == "training/resumed"] == [2]
 
 
-def _same_steps(tmp: Path, steps: list[int]):
+# The one-step-off mode on the 4 + 4 split (meshes/cpu-8-async.yaml), with a reward pool.
+ONE_STEP_OFF = {"mesh": "cpu-8-async", "actor_rollout_ref.hybrid_engine": "false",
+                "reward.num_workers": 2, "trainer.test_freq": -1}
+
+
+@pytest.mark.slow
+def test_two_hosts_one_step_off_match_one_host(tmp_path):
+    """The one-step-off mode on 2 Ray processes x 4 CPU devices: each host gives 2 devices
+    to the one (2,2,1) train mesh and generates its half of each batch's prompts on its
+    other 2, a (1,1,2) rollout mesh of its own. Its steps log the metrics of the one
+    8-device process (4 train + 4 rollout devices) within 1e-5, and so does a third step
+    after both resume from step 2, whose batch is generated again from the checkpoint's
+    older weights (kept in the train layout, across the hosts)."""
+    from rlhf_jax.trainer import train
+
+    split = [f"{k}={v}" for k, v in ONE_STEP_OFF.items()]
+    code, out, err, _ = _launch(_hosts(tmp_path / "hosts", *split), tmp_path, timeout=900)
+    assert code == 0, (out[-3000:], err[-3000:])
+    assert "launch_ray: host 1 finished (2 steps)" in out
+    train(tiny(tmp_path / "one", **ONE_STEP_OFF))
+    hosts, _ = _same_steps(tmp_path, [1, 2], skip=("async/idle_fraction/",))
+    assert [hosts[s]["async/staleness"] for s in (1, 2)] == [0.0, 1.0]
+
+    more = {"trainer.total_training_steps": 3}
+    code, out, err, _ = _launch(_hosts(tmp_path / "hosts", *split, *(
+        f"{k}={v}" for k, v in more.items())), tmp_path, 900)
+    assert code == 0, (out[-3000:], err[-3000:])
+    assert "launch_ray: host 1 finished (3 steps)" in out
+    train(tiny(tmp_path / "one", **ONE_STEP_OFF, **more))
+    hosts, _ = _same_steps(tmp_path, [1, 2, 3], skip=("async/idle_fraction/",))
+    assert hosts[3]["async/staleness"] == 1.0
+
+
+def _same_steps(tmp: Path, steps: list[int], skip: tuple[str, ...] = ()):
     """The metrics of `hosts/run` and `one/run`, equal but for the machine's (1e-5)."""
     hosts, one = steps_logged(tmp / "hosts/run"), steps_logged(tmp / "one/run")
     assert list(hosts) == list(one) == steps
     for step in steps:
-        a = {k: v for k, v in hosts[step].items() if not k.startswith(MACHINE)}
-        b = {k: v for k, v in one[step].items() if not k.startswith(MACHINE)}
+        a = {k: v for k, v in hosts[step].items() if not k.startswith((*MACHINE, *skip))}
+        b = {k: v for k, v in one[step].items() if not k.startswith((*MACHINE, *skip))}
         assert a.keys() == b.keys()
         for k in a:
             assert a[k] == pytest.approx(b[k], abs=1e-5, rel=1e-6), (step, k)

@@ -240,6 +240,27 @@ def _list_schedule_steps(durations, slots):
     return max(free_at), waves
 
 
+def test_shares_of_the_prompts_sample_the_whole_batchs_tokens(model, params, prompts):
+    """The one-step-off mode on several hosts: each host generates its share of the prompts
+    with `prompt_offset`; the shares, joined, are the whole batch's rollout."""
+    whole = rollout(model, params, prompts, "single", 4, SAMPLED, 3)
+    e, ids, mask = engine(model, "single", 4), *prompts
+    cut = len(ids) // 2
+    parts = [generate_sequences(e, on_mesh(model, params, "single"), ids[lo:hi], mask[lo:hi],
+                                n=3, sampling=SAMPLED, rng=jax.random.key(42),
+                                prompt_offset=lo)
+             for lo, hi in ((0, cut), (cut, len(ids)))]
+    joined = {f: np.concatenate([getattr(p, f) for p in parts])
+              for f in ("responses", "response_lengths", "rollout_log_probs")}
+    np.testing.assert_array_equal(joined["responses"], whole.responses)
+    np.testing.assert_array_equal(joined["response_lengths"], whole.response_lengths)
+    np.testing.assert_allclose(joined["rollout_log_probs"], whole.rollout_log_probs, atol=1e-6)
+    # without the offset the second share samples the first's keys: other tokens
+    again = generate_sequences(e, on_mesh(model, params, "single"), ids[cut:], mask[cut:], n=3,
+                               sampling=SAMPLED, rng=jax.random.key(42))
+    assert not np.array_equal(again.responses, parts[1].responses)
+
+
 def test_continuous_batching_refills_finished_slots(model, params, prompts):
     out = rollout(model, params, prompts, "single", 4, SAMPLED, 3)
     steps = out.stats["rollout/decode_steps"]

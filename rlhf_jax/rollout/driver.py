@@ -141,8 +141,10 @@ class _Rollout:
     """The host-side bookkeeping of one `generate_sequences` call."""
 
     def __init__(self, engine: Engine, params, rows, n: int, sampling: SamplingParams, rng,
-                 max_prefill_batch: int, max_lengths: np.ndarray | None = None):
+                 max_prefill_batch: int, max_lengths: np.ndarray | None = None,
+                 prompt_offset: int = 0):
         self.engine, self.params, self.rows, self.n = engine, params, rows, n
+        self.prompt_offset = prompt_offset
         self.max_lengths = max_lengths
         self.sampling, self.rng = sampling, rng
         self.max_prefill_batch = max_prefill_batch
@@ -168,7 +170,7 @@ class _Rollout:
                 for r, i in enumerate(chunk):
                     tokens[r, :len(self.rows[i])] = self.rows[i]
                     lengths[r] = len(self.rows[i])
-                    rids[r] = i * self.n
+                    rids[r] = (self.prompt_offset + i) * self.n
                 prefix, _ = e.prefill(params=self.params, padded_tokens=tokens,
                                       true_length=lengths, sampler=self.sampling,
                                       request_id=rids, rng=self.rng, num_samples=self.n)
@@ -226,7 +228,7 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
                        truncation: Truncation = "error", steps_per_call: int = 16,
                        refill_min_free: int = 1,
                        max_prefill_batch: int | None = None,
-                       max_lengths=None) -> RolloutBatch:
+                       max_lengths=None, prompt_offset: int = 0) -> RolloutBatch:
     """Samples n responses for each prompt of a left-padded batch.
 
     Args:
@@ -248,6 +250,9 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
       max_prefill_batch: prompts per prefill call (default: `default_prefill_batch`).
       max_lengths: [B*n] int, request i*n+j's own response-length limit, in
         [1, sampling.max_response_length] (None: the sampler's for every request).
+      prompt_offset: the prompts are those from `prompt_offset` on of a larger batch (one
+        host's share): sample j of prompt i samples as request (prompt_offset + i) * n + j,
+        so the shares together give the whole batch's tokens.
 
     Returns:
       A `RolloutBatch` of B*n rows, row i*n+j = sample j of prompt i.
@@ -267,7 +272,8 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
             raise DataError(f"max_lengths must be {len(rows) * n} (B*n) response lengths in "
                             f"[1, {r}], got shape {max_lengths.shape}")
     run = _Rollout(engine, params, rows, n, sampling, rng, max_prefill_batch
-                   or default_prefill_batch(slots, n, engine.max_prefill_length), max_lengths)
+                   or default_prefill_batch(slots, n, engine.max_prefill_length), max_lengths,
+                   prompt_offset)
     responses = np.full((run.total, r), sampling.pad_id, np.int32)
     log_probs = np.zeros((run.total, r), np.float32)
     raw_log_probs = np.zeros((run.total, r), np.float32)
