@@ -1,6 +1,8 @@
 """The RL rollout driver: parity with the full forward, mesh and slot independence,
 continuous batching, compile counts, and prompt-length errors."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -340,6 +342,32 @@ def test_compacting_the_slots_keeps_every_token(model, params, prompts, mesh_nam
     generate_sequences(e, p, ids[::-1].copy(), mask[::-1].copy(), n=2, sampling=SAMPLED,
                        rng=jax.random.key(7))
     assert {max(x.trace_counts.values()) for x in _engines(e)} == {1}  # each program once
+
+
+def test_no_compaction_when_every_response_runs_to_the_cap(model, params, prompts):
+    """With no EOS id the model can sample (none, or past its vocabulary, as the PPO
+    benchmark's), every slot finishes at the last step: the rollout keeps one engine and
+    precompiles no smaller one. Requests with lengths of their own (`max_lengths`) still
+    compact."""
+    never = dataclasses.replace(SAMPLED, eos_ids=(CFG.vocab_size,))
+    e = _compacting(model, "single", 16)
+    assert e.compacts(SAMPLED) and e.compacts(never, limited=True)
+    assert not e.compacts(never) and not e.compacts(dataclasses.replace(SAMPLED, eos_ids=()))
+    p = on_mesh(model, params, "single")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), p)
+    from rlhf_jax.rollout import driver
+
+    driver.precompile(e, abstract, num_prompts=len(LENGTHS), prompt_length=P, n=2,
+                      sampling=never)
+    assert not e._smaller
+    out = generate_sequences(e, p, *prompts, n=2, sampling=never, rng=jax.random.key(42))
+    assert (out.response_lengths == R).all() and "rollout/compactions" not in out.stats
+    assert not e._smaller
+    limits = np.array([1, 2, 3, 1, 2, 3, 4, 1, 2, R, 1, 2])
+    cut = generate_sequences(e, p, *prompts, n=2, sampling=never, rng=jax.random.key(42),
+                             max_lengths=limits)
+    assert (cut.response_lengths == limits).all() and cut.stats["rollout/compactions"] >= 1
 
 
 def test_compaction_only_for_long_responses_and_precompiled(model, params, prompts):

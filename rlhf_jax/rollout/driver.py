@@ -125,16 +125,18 @@ def first_programs(engine: Engine, num_prompts: int, n: int, *, steps_per_call: 
 
 def precompile(engine: Engine, params, *, num_prompts: int, prompt_length: int, n: int = 1,
                sampling: SamplingParams | None = None, steps_per_call: int = 16,
-               max_prefill_batch: int | None = None, stop=lambda: False) -> None:
+               max_prefill_batch: int | None = None, stop=lambda: False,
+               limited: bool = False) -> None:
     """Compiles ahead of time, without running them, the engine programs that
     `generate_sequences` needs first for `num_prompts` prompts of up to `prompt_length`
-    tokens, `n` samples each (`first_programs`); see `Engine.precompile` (for a background
-    thread; `params` may be shapes; `stop()` true: no more programs)."""
+    tokens, `n` samples each (`first_programs`; `limited`: called with `max_lengths`); see
+    `Engine.precompile` (for a background thread; `params` may be shapes; `stop()` true: no
+    more programs)."""
     batches, steps = first_programs(engine, num_prompts, n, steps_per_call=steps_per_call,
                                     max_prefill_batch=max_prefill_batch)
     engine.precompile(params, prefill_batches=batches, length=prompt_length, num_samples=n,
                       generate_steps=steps, sampler=engine.resolve_sampling(sampling),
-                      stop=stop)
+                      stop=stop, limited=limited)
 
 
 class _Rollout:
@@ -212,7 +214,7 @@ class _Rollout:
     def compact(self, state):
         """While at most half the slots hold a request (and the engine `compacts`), moves
         them into an engine of half the slots; returns the new state."""
-        while self.engine.compacts(self.sampling):
+        while self.engine.compacts(self.sampling, self.max_lengths is not None):
             live = [s for s, r in enumerate(self.slot_request) if r >= 0]
             half = self.engine.max_concurrent_decodes // 2
             if not live or len(live) > half:
@@ -288,7 +290,7 @@ def generate_sequences(engine: Engine, params, prompt_ids, prompt_mask, *, n: in
         e = run.engine
         s = e.max_concurrent_decodes
         empty = sum(r < 0 for r in run.slot_request)
-        compact = not waiting and e.compacts(sampling)
+        compact = not waiting and e.compacts(sampling, max_lengths is not None)
         stop = empty + refill_min_free if waiting else s - s // 2 if compact else None
         steps = _decode_steps(e, steps_per_call, waiting)
         state, _ = e.generate_steps(params, state, steps, sampling, stop_when_done=stop)

@@ -250,13 +250,19 @@ class Engine(EnginePrograms, ProgramCache):
         """The fewest slots compaction leaves: the devices the slot axis is split over."""
         return math.prod(self._mesh.shape[a] for a in dict(self.rules).get("cache_batch", ()))
 
-    def compacts(self, sampler: SamplingParams) -> bool:
+    def compacts(self, sampler: SamplingParams, limited: bool = False) -> bool:
         """Whether a rollout with `sampler` compacts its slots as they finish: responses of
         at least `compact_min_length` tokens (a compaction, one gather of the live slots'
         cache rows, pays back only over many decode steps; the short-response runs keep one
-        program), and slots left to halve."""
-        return (self.compact_min_length is not None
-                and self.resolve_sampling(sampler).max_response_length >= self.compact_min_length
+        program), slots left to halve, and responses that can end before the cap: an EOS
+        id the model can sample, or (`limited`) requests with lengths of their own. (With
+        neither, every slot finishes at the last step, so the smaller engines' programs
+        would be compiled for nothing.)"""
+        sampler = self.resolve_sampling(sampler)
+        vocab = self.model.cfg.vocab_size
+        ends_early = limited or any(0 <= e < vocab for e in sampler.eos_ids)
+        return (ends_early and self.compact_min_length is not None
+                and sampler.max_response_length >= self.compact_min_length
                 and self._slots // 2 >= self.min_slots)
 
     def smaller(self, slots: int) -> Engine:
@@ -445,12 +451,14 @@ class Engine(EnginePrograms, ProgramCache):
 
     def precompile(self, params, *, prefill_batches: Sequence[int], length: int,
                    num_samples: int = 1, generate_steps: Sequence[int] = (),
-                   sampler: SamplingParams | None = None, stop=lambda: False) -> None:
+                   sampler: SamplingParams | None = None, stop=lambda: False,
+                   limited: bool = False) -> None:
         """Compiles the programs of a rollout ahead of time, running none of them: the
         decode state's init, a prefill of b prompts padded to `length`'s bucket with
         `num_samples` samples and its `bulk_insert` (for each b of `prefill_batches`), and
         `generate_steps` of each step count of `generate_steps`, for `sampler`; where the
-        rollout `compacts`, each compaction and the longest generate of each smaller engine.
+        rollout `compacts` (`limited`: its requests have lengths of their own), each
+        compaction and the longest generate of each smaller engine.
 
         Meant for a background thread: no device memory is used (the arguments are
         shapes), and a call in another thread that needs one of these programs while it
@@ -474,7 +482,7 @@ class Engine(EnginePrograms, ProgramCache):
                 return
             state, _ = self._compiled(self._generate_call(params, state, steps, sampler, None))
         engine = self
-        while engine.compacts(sampler) and generate_steps:  # the rollout's smaller engines
+        while engine.compacts(sampler, limited) and generate_steps:  # its smaller engines
             if stop():
                 return
             state = engine._compiled(engine._compact_call(state, []))
