@@ -61,6 +61,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf_jax import precompile
 from rlhf_jax.benchmarks import ppo
 from rlhf_jax.benchmarks.common import (
     SMALL_MODEL,
@@ -73,6 +74,7 @@ from rlhf_jax.benchmarks.common import (
 from rlhf_jax.benchmarks.mfu import CompileCounter, matmul_peak_flops
 from rlhf_jax.config import load_config
 from rlhf_jax.errors import UserError
+from rlhf_jax.rollout import driver
 
 WORKLOAD_CONFIG = pathlib.Path(__file__).with_name("packing_workload.yaml")
 PATHS = ("padded", "packed")
@@ -223,6 +225,14 @@ class TrainerPath(ppo.Run):
             return state, self.metrics
 
         self.trainer.step = recorded
+        # The forced lengths end responses early although no EOS can be sampled: the
+        # rollout compacts its slots, so its smaller engines' programs compile now, with
+        # the launch (the trainer's own precompile does not foresee them).
+        t = self.trainer
+        driver.precompile(t.engine, precompile._abstract(t.gen_params),
+                          num_prompts=t.cfg.data.train_batch_size,
+                          prompt_length=t.cfg.data.max_prompt_length, sampling=t.sampling(),
+                          limited=True)
 
     def step(self, k: int, lengths: np.ndarray) -> dict[str, float]:
         seen: list = []
