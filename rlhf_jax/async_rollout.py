@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlhf_jax import distributed
-from rlhf_jax.experience import Experience
+from rlhf_jax.experience import Experience, collect_rewards
 
 
 class Job(NamedTuple):
@@ -131,9 +131,7 @@ class OneStepOff:
             return self.t.rollout(batch, step, params), time.perf_counter() - start
         lo, hi = _share(len(batch.input_ids))
         exp = self.t.rollout(_prompts(batch, lo, hi), step, params, prompt_offset=lo)
-        if exp.pending_rewards is not None:  # the pool's futures cannot leave this host
-            exp = exp._replace(scores=exp.pending_rewards.result().scores,
-                               pending_rewards=None)
+        exp = collect_rewards(exp)  # the pool's futures cannot leave this host
         return exp, time.perf_counter() - start
 
     # -------------------------------------------------------------------------- the step

@@ -118,11 +118,15 @@ def _old_log_prob(trainer, state, exp, chunks):
         "training/rollout_probs_diff_max": float(mx),
         "training/rollout_probs_diff_mean": float(mean)})
 
-def _collect_rewards(state, exp, chunks):
-    """The reward pool's scores of `exp` (when they were left in flight)."""
+def collect_rewards(exp: Experience) -> Experience:
+    """`exp` with the reward pool's scores (when they were left in flight)."""
     if exp.pending_rewards is None:
         return exp
     return exp._replace(scores=exp.pending_rewards.result().scores, pending_rewards=None)
+
+
+def _collect_rewards(state, exp, chunks):
+    return collect_rewards(exp)
 
 def _ref_log_prob(trainer, state, exp, chunks):
     """The reference's log-probs: its own parameters, or the LoRA actor's frozen base run

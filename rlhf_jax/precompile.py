@@ -34,17 +34,9 @@ import numpy as np
 from rlhf_jax import train_steps as ts
 from rlhf_jax.models.lora import strip as lora_strip
 from rlhf_jax.rollout import driver
+from rlhf_jax.rollout.program_cache import abstract
 
 SFT_EVAL_PROMPTS = 256  # the prompts of the SFT warm start's sampled evaluation (sft.py)
-
-
-def _abstract(tree):
-    """Shapes, dtypes and shardings of the arrays in `tree` (an uncommitted array, which
-    jit may place anywhere, keeps no sharding)."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=x.sharding if x.committed else None)
-        if isinstance(x, jax.Array) else x, tree)
 
 
 def _main_ended() -> bool:
@@ -115,7 +107,7 @@ def _rollout_jobs(trainer) -> list[tuple[str, Callable[[], None]]]:
     the order the run needs them."""
     cfg = trainer.cfg
     length = cfg.data.max_prompt_length
-    params = _abstract(trainer.gen_params)
+    params = abstract(trainer.gen_params)
     ro, t = cfg.actor_rollout_ref.rollout, cfg.trainer
 
     def job(num_prompts, n, sampling):
@@ -165,7 +157,7 @@ def _step_jobs(trainer, gates: dict) -> list[tuple[str, Callable[[], None]]]:
     padded step, each gating the trainer attribute it compiles."""
     cfg, state = trainer.cfg, trainer.state
     # Shapes now: the SFT warm start donates (deletes) these very arrays.
-    actor, ref, critic = _abstract((state.actor, state.ref, state.critic))
+    actor, ref, critic = abstract((state.actor, state.ref, state.critic))
     if trainer.ref_from_base:  # the LoRA actor's base is its reference
         ref = lora_strip(actor.params)
     r = cfg.data.max_response_length
@@ -180,7 +172,7 @@ def _step_jobs(trainer, gates: dict) -> list[tuple[str, Callable[[], None]]]:
 
         def job():
             try:
-                fn.lower(*_abstract(args())).compile()
+                fn.lower(*abstract(args())).compile()
             finally:
                 done.set()
 

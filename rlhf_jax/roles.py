@@ -7,6 +7,7 @@ the rollout engine generates from the actor's parameters moved to the **generate
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlhf_jax import lora
+from rlhf_jax import distributed, lora
 from rlhf_jax.errors import ConfigError, ModelError
 from rlhf_jax.mesh import MeshSpec, ensure_host_devices, load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, load_model_config
@@ -128,6 +129,16 @@ def train_state(model: Model, params, optim) -> tuple[Any, Any]:
 
     trainable = lora.trainable(model)
     return ts.init_state(params, ts.make_optimizer(optim), trainable), trainable
+
+
+def weight_sync(actor: Model, layouts: Layouts) -> lora.WeightSync:
+    """update_weights of the actor `actor`: its train-layout parameters to the engine's
+    generate layout (with the rollout on each host's own devices, through a host-local copy
+    of the whole weights first: `distributed.host_local_copy`)."""
+    gather = functools.partial(distributed.host_local_copy, mesh=layouts.mesh) \
+        if layouts.rollout_per_host else None
+    shardings = actor.shardings(layouts.gen_mesh, layouts.spec.generate_rules)
+    return lora.WeightSync(actor, shardings, gather)
 
 
 def engine(cfg, model: Model, layouts: Layouts, gen_params):

@@ -27,7 +27,6 @@ import numpy as np
 from rlhf_jax import (
     async_rollout,
     batching,
-    distributed,
     dynamic_sampling,
     lora,
     offload,
@@ -184,10 +183,7 @@ class Trainer:
                 self.critic_model, critic_params, self.critic_optim)
         self.lora_bases = lora.Bases({"actor": self.actor_model, "critic": self.critic_model},
                                      {"actor": arr.model.path, "critic": path}, lay)
-        self.gen_shardings = self.actor_model.shardings(lay.gen_mesh, lay.spec.generate_rules)
-        gather = functools.partial(distributed.host_local_copy, mesh=lay.mesh) \
-            if lay.rollout_per_host else None
-        self.weight_sync = lora.WeightSync(self.actor_model, self.gen_shardings, gather)
+        self.weight_sync = roles.weight_sync(self.actor_model, lay)
         self.gen_params, self.sync_bytes = self.weight_sync(actor.params)
         self.engine, self.rollout_budget = roles.engine(
             cfg, self.weight_sync.engine_model(self.actor_model), lay, self.gen_params)

@@ -11,6 +11,7 @@ from rlhf_jax.errors import DataError
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, ModelConfig
 from rlhf_jax.rollout import Engine, SamplingParams, generate_sequences, prompt_rows, reshard
+from rlhf_jax.rollout.program_cache import abstract
 
 CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -354,11 +355,9 @@ def test_no_compaction_when_every_response_runs_to_the_cap(model, params, prompt
     assert e.compacts(SAMPLED) and e.compacts(never, limited=True)
     assert not e.compacts(never) and not e.compacts(dataclasses.replace(SAMPLED, eos_ids=()))
     p = on_mesh(model, params, "single")
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), p)
     from rlhf_jax.rollout import driver
 
-    driver.precompile(e, abstract, num_prompts=len(LENGTHS), prompt_length=P, n=2,
+    driver.precompile(e, abstract(p), num_prompts=len(LENGTHS), prompt_length=P, n=2,
                       sampling=never)
     assert not e._smaller
     out = generate_sequences(e, p, *prompts, n=2, sampling=never, rng=jax.random.key(42))
@@ -378,11 +377,9 @@ def test_compaction_only_for_long_responses_and_precompiled(model, params, promp
     assert not _compacting(model, "single", 1).compacts(SAMPLED)  # nothing to halve
     e = _compacting(model, "single", 16)
     p = on_mesh(model, params, "single")
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), p)
     from rlhf_jax.rollout import driver
 
-    driver.precompile(e, abstract, num_prompts=len(LENGTHS), prompt_length=P, n=2,
+    driver.precompile(e, abstract(p), num_prompts=len(LENGTHS), prompt_length=P, n=2,
                       sampling=SAMPLED)
     compiled = [dict(x.trace_counts) for x in _engines(e)]
     assert [x.max_concurrent_decodes for x in _engines(e)] == [16, 8, 4, 2, 1]

@@ -61,7 +61,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_jax import precompile
 from rlhf_jax.benchmarks import ppo
 from rlhf_jax.benchmarks.common import (
     SMALL_MODEL,
@@ -75,6 +74,7 @@ from rlhf_jax.benchmarks.mfu import CompileCounter, matmul_peak_flops
 from rlhf_jax.config import load_config
 from rlhf_jax.errors import UserError
 from rlhf_jax.rollout import driver
+from rlhf_jax.rollout.program_cache import abstract
 
 WORKLOAD_CONFIG = pathlib.Path(__file__).with_name("packing_workload.yaml")
 PATHS = ("padded", "packed")
@@ -229,7 +229,7 @@ class TrainerPath(ppo.Run):
         # rollout compacts its slots, so its smaller engines' programs compile now, with
         # the launch (the trainer's own precompile does not foresee them).
         t = self.trainer
-        driver.precompile(t.engine, precompile._abstract(t.gen_params),
+        driver.precompile(t.engine, abstract(t.gen_params),
                           num_prompts=t.cfg.data.train_batch_size,
                           prompt_length=t.cfg.data.max_prompt_length, sampling=t.sampling(),
                           limited=True)

@@ -192,11 +192,17 @@ def over_cache_prefix(fn, k_bksh, v_bksh, mask_bts, newest_b):
     return jax.lax.switch(index, [*branches, fn], k_bksh, v_bksh, mask_bts)
 
 
+def _scores(q, k, m, scale):
+    """float32 [B, K, G, C, S]: the scaled scores of a query block, NEG_INF where `m` hides
+    the key."""
+    s = jnp.einsum("BKGTH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
+    return jnp.where(m[:, None, None], s, NEG_INF)
+
+
 def _block_fwd(q, k, v, m, scale, dtype):
     """One query block over its keys: output [B, K, G, C, H] and the softmax's row max and
     sum (float32 [B, K, G, C])."""
-    s = jnp.einsum("BKGTH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(m[:, None, None], s, NEG_INF)
+    s = _scores(q, k, m, scale)
     top = jnp.max(s, axis=-1)
     e = jnp.exp(s - top[..., None])
     total = jnp.sum(e, axis=-1)
@@ -207,9 +213,7 @@ def _block_fwd(q, k, v, m, scale, dtype):
 def _block_bwd(q, k, v, m, top, total, out, d_out, scale, dtype):
     """The block's dq [B, K, G, C, H], dk and dv [B, K, S, H] (float32), the scores
     recomputed from q and k."""
-    s = jnp.einsum("BKGTH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(m[:, None, None], s, NEG_INF)
-    p = jnp.exp(s - top[..., None]) / total[..., None]
+    p = jnp.exp(_scores(q, k, m, scale) - top[..., None]) / total[..., None]
     dv = jnp.einsum("BKGTS,BKGTH->BKSH", p.astype(dtype), d_out,
                     preferred_element_type=jnp.float32)
     dp = jnp.einsum("BKGTH,BKSH->BKGTS", d_out, v, preferred_element_type=jnp.float32)

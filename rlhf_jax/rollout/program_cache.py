@@ -16,6 +16,16 @@ from typing import Any
 import jax
 
 
+def abstract(tree):
+    """The shapes, dtypes and shardings of the arrays (or shape structs) in `tree`, the rest
+    as it is: what compiling a program for them needs, without their memory. An uncommitted
+    array, which jit may place anywhere, keeps no sharding."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding if getattr(x, "committed", True) else None)
+        if isinstance(x, jax.Array | jax.ShapeDtypeStruct) else x, tree)
+
+
 class ProgramCache:
     """The table of jitted functions by key, and the programs being compiled."""
 
@@ -58,16 +68,13 @@ class ProgramCache:
         """Compiles the program of `call` = `(key, build, args)` without running it (if no
         one built it before) and returns its outputs' shapes and shardings."""
         key, build, args = call
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(  # an uncommitted array may go anywhere
-                x.shape, x.dtype, sharding=x.sharding if getattr(x, "committed", True) else None)
-            if isinstance(x, jax.Array | jax.ShapeDtypeStruct) else x, args)
+        shapes = abstract(args)
         claimed = self._claim(key, build)
         fn = self._jits[key]
         try:
             if claimed:
-                fn.lower(*abstract).compile()
-            return jax.eval_shape(fn, *abstract)
+                fn.lower(*shapes).compile()
+            return jax.eval_shape(fn, *shapes)
         finally:
             if claimed:
                 with self._lock:
