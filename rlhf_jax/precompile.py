@@ -62,18 +62,25 @@ class _Gated:
 class Precompile:
     """The background compile of one trainer's programs (see the module doc)."""
 
-    def __init__(self, jobs: list[tuple[str, Callable[[], None]]], gates=()):
+    def __init__(self, jobs: list[tuple[str, Callable[[], None]]], gates=(),
+                 first_step: int | None = None):
         self.jobs = jobs
         self.gates = list(gates)  # the `_Gated` step functions, opened when their job ends
         self.compiled: list[str] = []
         self.errors: dict[str, str] = {}
+        # Set once the first `first_step` jobs (all of them by default) have ended: what the
+        # run's first step needs; the rest (e.g. a later validation's) compile meanwhile.
+        self.first_step = len(jobs) if first_step is None else first_step
+        self.step_ready = threading.Event()
         # Not a daemon: the interpreter must not tear XLA down under a running compile (it
         # aborts); once the main thread has ended, the jobs left are dropped instead.
         self.thread = threading.Thread(target=self._run, name="rlhf_jax-precompile")
 
     def _run(self) -> None:
         try:
-            for name, job in self.jobs:
+            for i, (name, job) in enumerate(self.jobs):
+                if i == self.first_step:
+                    self.step_ready.set()
                 if _main_ended():
                     break
                 try:
@@ -83,6 +90,7 @@ class Precompile:
                     self.errors[name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
                     print(f"precompile: {name} skipped ({self.errors[name]})", flush=True)
         finally:
+            self.step_ready.set()
             for gate in self.gates:
                 gate._done.set()
 
@@ -91,20 +99,23 @@ class Precompile:
         return self
 
     def wait(self, progress) -> None:
-        """Joins, with a `progress` phase line when the wait is not short (the first step
-        would otherwise wait for these programs, silently, inside its timings)."""
-        if self.thread.is_alive():
+        """Waits for the programs of the first step (`step_ready`), with a `progress` phase
+        line when the wait is not short (the first step would otherwise wait for them,
+        silently, inside its timings). Jobs after them go on in the background."""
+        if self.thread.is_alive() and not self.step_ready.is_set():
             with progress.phase("compiling the step's programs", min_seconds=1.0,
                                 done=lambda: f"{len(self.compiled)} programs compiled"):
-                self.join()
+                while not self.step_ready.wait(0.1) and self.thread.is_alive():
+                    pass
 
 
 # ------------------------------------------------------------------------------ the jobs
 
 
-def _rollout_jobs(trainer) -> list[tuple[str, Callable[[], None]]]:
+def _rollout_jobs(trainer) -> tuple[list, list]:
     """The engine's programs for the SFT evaluation, validation and the step's rollout, in
-    the order the run needs them."""
+    the order the run needs them: `(before the first step's, after it)`. Validation comes
+    after the step's programs unless it runs before training."""
     cfg = trainer.cfg
     length = cfg.data.max_prompt_length
     params = abstract(trainer.gen_params)
@@ -115,17 +126,17 @@ def _rollout_jobs(trainer) -> list[tuple[str, Callable[[], None]]]:
                                          prompt_length=length, n=n, sampling=sampling,
                                          stop=_main_ended)
 
-    jobs = []
+    jobs, later = [], []
     eval_loader = trainer.val_loader or trainer.train_loader
     if t.sft_warmup.enable and t.sft_warmup.max_steps > 0:
         prompts = min(len(eval_loader.dataset), SFT_EVAL_PROMPTS)
         jobs.append(("rollout/sft_eval", job(prompts, 1, trainer.sampling())))
     if trainer.val_loader is not None and (t.val_before_train or t.test_freq > 0):
         prompts = min(trainer.val_loader.batch_size, len(trainer.val_loader.dataset))
-        jobs.append(("rollout/validate", job(prompts, ro.val_kwargs.n,
-                                             trainer.sampling(validate=True))))
+        (jobs if t.val_before_train else later).append(
+            ("rollout/validate", job(prompts, ro.val_kwargs.n, trainer.sampling(validate=True))))
     jobs.append(("rollout/step", job(cfg.data.train_batch_size, ro.n, trainer.sampling())))
-    return jobs
+    return jobs, later
 
 
 def _dummy_experience(trainer):
@@ -229,11 +240,13 @@ def enabled() -> bool:
 def start(trainer) -> Precompile:
     """Starts compiling `trainer`'s rollout and step programs in a background thread; the
     trainer's step functions it compiles are wrapped so that a call waits for their compile.
-    The SFT evaluation's and validation's rollouts come first, then the step's programs in
-    the order a step runs them (the engine waits on its own programs the same way)."""
+    The SFT evaluation's rollout (and validation's, when it runs before training) come
+    first, then the step's programs in the order a step runs them, then validation's (the
+    engine waits on its own programs the same way)."""
     gates: dict = {}
-    jobs = _rollout_jobs(trainer) + _step_jobs(trainer, gates) if enabled() else []
-    pre = Precompile(jobs, gates.values())
+    before, later = _rollout_jobs(trainer) if enabled() else ([], [])
+    jobs = before + _step_jobs(trainer, gates) if enabled() else []
+    pre = Precompile(jobs + later, gates.values(), first_step=len(jobs))
     for attr, gated in gates.items():
         for alias in ("log_probs", "ref_log_probs"):  # one jitted function, two names
             if attr == "log_probs" and getattr(trainer, alias, None) is gated._fn:

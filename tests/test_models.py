@@ -16,7 +16,8 @@ import transformers
 
 from rlhf_jax.errors import ModelError
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
-from rlhf_jax.models import Model, load_model_config
+from rlhf_jax.models import Model, ModelConfig, load_model_config
+from rlhf_jax.models import model as model_module
 from rlhf_jax.models.hf_io import load_hf_model, save_hf
 from rlhf_jax.models.model import UNROLL_MAX_LAYERS
 from rlhf_jax.models.ops import rope_table
@@ -322,3 +323,24 @@ def test_bf16_round_trip(hf_dirs, tmp_path):
                                     param_dtype="bfloat16")
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_parameter_shapes_are_traced_once_per_architecture(monkeypatch):
+    """`abstract_params` / `logical_axes` / `shardings` trace flax's init once per
+    architecture and dtype (a run asks for them for the actor, its reference, the critic and
+    the engine); a model on another mesh shares the trace, another dtype does not."""
+    cfg = ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    model_module._boxed_shapes.cache_clear()
+    traces = []
+    original = Model._init_boxed
+    monkeypatch.setattr(Model, "_init_boxed",
+                        lambda self, rng: (traces.append(self.dtype), original(self, rng))[1])
+    mesh = make_mesh(load_mesh_spec("single"))
+    model = Model(cfg)
+    first = model.abstract_params()
+    assert model.logical_axes() and model.shardings(mesh, ()) is not None
+    assert model.with_layout(mesh, ()).abstract_params() == first
+    assert traces == ["float32"]
+    Model(cfg, dtype="bfloat16").abstract_params()
+    assert traces == ["float32", "bfloat16"]

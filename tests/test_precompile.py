@@ -12,6 +12,7 @@ from rlhf_jax import precompile
 from rlhf_jax.compile_cache import CompileLog
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import Model, ModelConfig
+from rlhf_jax.precompile import Precompile
 from rlhf_jax.rollout import Engine, SamplingParams, driver, generate_sequences
 from rlhf_jax.trainer import Trainer
 
@@ -123,3 +124,35 @@ def test_off_with_several_processes(monkeypatch):
     assert precompile.enabled()
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     assert not precompile.enabled()
+
+
+def test_the_first_step_waits_for_its_own_programs_only():
+    """`wait` returns once the jobs the first step needs have ended; a later one (a
+    validation's rollout) goes on compiling in the background, and `join` waits for it."""
+    from rlhf_jax.progress import Progress
+
+    release, order = threading.Event(), []
+    jobs = [("a", lambda: order.append("a")), ("b", lambda: order.append("b")),
+            ("later", lambda: (release.wait(30), order.append("later")))]
+    pre = Precompile(jobs, first_step=2)
+    pre.thread.start()
+    pre.wait(Progress(enabled=False))
+    assert order == ["a", "b"] and pre.thread.is_alive()
+    release.set()
+    assert pre.join().compiled == ["a", "b", "later"]
+    # by default every job comes before the first step
+    everything = Precompile([("a", lambda: release.wait(0.2)), ("b", lambda: None)])
+    everything.thread.start()
+    everything.wait(Progress(enabled=False))
+    assert everything.compiled == ["a", "b"]
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_validation_compiles_after_the_step_unless_it_runs_first(tmp_path, monkeypatch, before):
+    monkeypatch.setenv("RLHF_JAX_PRECOMPILE", "0")  # the jobs are listed, none runs
+    trainer = Trainer(tiny(tmp_path, "grpo_tiny_cpu.yaml", **{
+        **KW, "trainer.test_freq": 5, "trainer.val_before_train": before}))
+    first, later = precompile._rollout_jobs(trainer)
+    names = ([n for n, _ in first], [n for n, _ in later])
+    assert names == ((["rollout/validate", "rollout/step"], []) if before
+                     else (["rollout/step"], ["rollout/validate"]))

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import nullcontext
 from typing import Any
 
@@ -123,9 +124,18 @@ class Model:
         ids = jnp.zeros((1, 1), jnp.int32)
         return self.module.init(rng, ids, ids, jnp.ones((1, 1, 1), bool))["params"]
 
+    def _boxed_shapes(self):
+        """The boxed parameter tree of `_init_boxed` as shapes, traced once per architecture
+        (`_boxed_shapes`): the actor, its reference, the critic and the engine each ask."""
+        bare = dataclasses.replace(self, mesh=None, rules=())
+        try:
+            return _boxed_shapes(bare, bool(jax.config.jax_enable_x64))
+        except TypeError:  # a config field that cannot be hashed: trace it every time
+            return jax.eval_shape(self._init_boxed, jax.random.key(0))
+
     def logical_axes(self):
         """Tree of logical-name tuples, one per parameter."""
-        boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
+        boxed = self._boxed_shapes()
         boxed_type = nn.LogicallyPartitioned
         return jax.tree.map(
             lambda x: tuple(x.names) if isinstance(x, boxed_type) else (None,) * x.ndim,
@@ -134,7 +144,7 @@ class Model:
 
     def abstract_params(self):
         """Tree of `jax.ShapeDtypeStruct`, computed without allocating anything."""
-        return nn.meta.unbox(jax.eval_shape(self._init_boxed, jax.random.key(0)))
+        return nn.meta.unbox(self._boxed_shapes())
 
     def shardings(self, mesh, rules: Rules):
         """`NamedSharding` of every parameter on `mesh` under `rules` (train or generate)."""
@@ -219,3 +229,12 @@ class Model:
             return self.module.apply(
                 {"params": params}, input_ids_bt, positions_bt, mask_bts, cache, write_index_b
             )
+
+
+@functools.lru_cache(maxsize=16)
+def _boxed_shapes(model: Model, x64: bool):
+    """`jax.eval_shape` of `model._init_boxed` (flax's init traces the whole model: ~0.2 s
+    each on the tiny recipes, asked for several times while a run starts). `x64`: part of
+    the key, as the traced dtypes follow it."""
+    del x64
+    return jax.eval_shape(model._init_boxed, jax.random.key(0))
