@@ -105,8 +105,7 @@ class Precompile:
         if self.thread.is_alive() and not self.step_ready.is_set():
             with progress.phase("compiling the step's programs", min_seconds=1.0,
                                 done=lambda: f"{len(self.compiled)} programs compiled"):
-                while not self.step_ready.wait(0.1) and self.thread.is_alive():
-                    pass
+                self.step_ready.wait()  # `_run` sets it at the latest when it ends
 
 
 # ------------------------------------------------------------------------------ the jobs
@@ -244,8 +243,10 @@ def start(trainer) -> Precompile:
     first, then the step's programs in the order a step runs them, then validation's (the
     engine waits on its own programs the same way)."""
     gates: dict = {}
-    before, later = _rollout_jobs(trainer) if enabled() else ([], [])
-    jobs = before + _step_jobs(trainer, gates) if enabled() else []
+    jobs, later = [], []
+    if enabled():
+        jobs, later = _rollout_jobs(trainer)
+        jobs += _step_jobs(trainer, gates)
     pre = Precompile(jobs + later, gates.values(), first_step=len(jobs))
     for attr, gated in gates.items():
         for alias in ("log_probs", "ref_log_probs"):  # one jitted function, two names
