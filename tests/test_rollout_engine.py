@@ -182,7 +182,7 @@ def test_prefill_insert_generate_follow_the_full_forward(setup):
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
     prefix, first = engine.prefill(params=params, padded_tokens=tokens, true_length=[3, 6])
-    assert prefix.cache.k.shape[3] == 8  # padded to the bucket ([L, b, K, T, H])
+    assert prefix.cache.length == 8  # padded to the bucket
     want = [_argmax_continuation(model, params, p, 5) for p in prompts]
     np.testing.assert_array_equal(np.asarray(first.tokens)[:, 0], [w[0][0] for w in want])
     state = engine.init_decode_state()
@@ -231,11 +231,18 @@ def test_greedy_and_sampled_rollouts_share_their_programs(setup):
     assert not np.array_equal(out[True], out[False])  # the sampled draw ran
 
 
-def _decode_inputs(model, seed: int):
-    """A random [L, 4, K, 8, H] cache, one token per row and the rows' write indices."""
+def _keys_positions_minor(k):
+    """The cache's keys [L, B, K, S, H] as [L, B, K, H, S]."""
+    return jnp.swapaxes(k, 3, 4)
+
+
+def _decode_inputs(model, seed: int, keys_positions_minor: bool = True):
+    """A random cache of 12 positions (values [L, 4, K, 12, H], keys [L, 4, K, H, 12], the CPU
+    layout, or like the values), one token per row and the rows' write indices."""
     rng = np.random.default_rng(seed)
-    cache = KVCache(*(jnp.asarray(rng.normal(size=c.shape), jnp.float32)
-                      for c in model.init_cache(4, 8)))
+    shape = model.init_cache(4, 12).v.shape
+    k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
+    cache = KVCache(_keys_positions_minor(k) if keys_positions_minor else k, v)
     ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (4, 1)), jnp.int32)
     return cache, ids, jnp.asarray([0, 3, 5, 7], jnp.int32)
 
@@ -263,29 +270,55 @@ def test_per_layer_cache_decodes_like_the_stacked_one(setup):
     assert not np.allclose(want_cache.k, cache.k)  # the step wrote something
 
 
-def test_one_token_decode_as_products_equals_the_contraction(setup, monkeypatch):
-    """CPU's products-and-sums decode attention and the batched contraction used off CPU
-    (`decode_as_products`) give the same logits and cache; the contraction adds its two
-    attention matmuls to the (scanned) layer body."""
+def test_one_token_decode_as_products_equals_the_contraction(setup, monkeypatch, request):
+    """CPU's products-and-sums decode attention over keys stored [L, B, K, H, S]
+    (`transposed_keys`) and the batched contraction used off CPU (`decode_as_products`) over
+    keys [L, B, K, S, H] give the same logits and cache; so do the products over keys
+    [L, B, K, S, H]. The contraction adds its two attention matmuls to the (scanned) layer
+    body."""
     from rlhf_jax.models import transformer
 
     model, _, params = setup
-    cache, ids, wi = _decode_inputs(model, 2)
+    cache, ids, wi = _decode_inputs(model, 2, keys_positions_minor=False)
+    monkeypatch.setattr(transformer, "TRANSPOSED_KEYS", False)
     args = (params, ids, wi[:, None], cache, wi)
-    dots = lambda: str(jax.make_jaxpr(model.decode)(*args)).count("dot_general")
+    dots = lambda *a: str(jax.make_jaxpr(model.decode)(*a)).count("dot_general")
     assert transformer.decode_as_products()  # the CPU default
-    want_logits, want_cache = jax.jit(model.decode)(*args)
-    n_products = dots()
+    products = jax.jit(model.decode)(*args)
+    n_products = dots(*args)
+    monkeypatch.setattr(transformer, "TRANSPOSED_KEYS", None)
+    assert transformer.transposed_keys()  # the CPU default
+    t_args = (*args[:3], KVCache(_keys_positions_minor(cache.k), cache.v), wi)
+    request.addfinalizer(jax.clear_caches)  # no program of another layout outlives the test
+    jax.clear_caches()  # the layout is read when a program is traced
+    logits, t_cache = jax.jit(model.decode)(*t_args)
+    assert dots(*t_args) == n_products
+    monkeypatch.setattr(transformer, "TRANSPOSED_KEYS", False)
     monkeypatch.setattr(transformer, "decode_as_products", lambda: False)
-    got_logits, got_cache = jax.jit(model.decode)(*args)
-    assert dots() == n_products + 2
-    np.testing.assert_allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
-    for got, want in zip(got_cache, want_cache, strict=True):  # later layers: rounding apart
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    jax.clear_caches()
+    contraction = jax.jit(model.decode)(*args)
+    assert dots(*args) == n_products + 2
+    for got_logits, got_cache in (products, contraction):
+        np.testing.assert_allclose(got_logits, logits, atol=1e-5, rtol=1e-5)
+        # later layers: rounding apart
+        np.testing.assert_allclose(_keys_positions_minor(got_cache.k), t_cache.k, atol=1e-5,
+                                   rtol=1e-5)
+        np.testing.assert_allclose(got_cache.v, t_cache.v, atol=1e-5, rtol=1e-5)
+    assert not np.allclose(t_cache.k, t_args[3].k)  # the step wrote the transposed keys
 
 
-def test_existing_prefix_continues_the_prompt(setup):
+@pytest.mark.parametrize("keys_positions_minor", [True, False])
+def test_existing_prefix_continues_the_prompt(setup, keys_positions_minor, monkeypatch):
+    """A prefill on top of an existing prefix gives the whole prompt's cache and first token,
+    in either key layout (`transposed_keys`: CPU's, or the accelerators')."""
+    from rlhf_jax.models import transformer
+
     model, engine, params = setup
+    if not keys_positions_minor:  # a new engine: programs are traced with the layout
+        monkeypatch.setattr(transformer, "TRANSPOSED_KEYS", False)
+        engine = Engine(model, engine.mesh, engine.rules, max_concurrent_decodes=4,
+                        max_prefill_length=8, max_decode_length=6,
+                        compiler_options=FAST_COMPILE, sampling=SamplingParams(do_sample=False))
     whole, _ = engine.prefill(params=params, padded_tokens=[[4, 8, 15, 16, 23, 0, 0, 0]],
                               true_length=5)
     head, _ = engine.prefill(params=params, padded_tokens=[[4, 8, 15, 0, 0, 0, 0, 0]],
@@ -294,7 +327,11 @@ def test_existing_prefix_continues_the_prompt(setup):
                                padded_tokens=[[16, 23, 0, 0]], true_length=2)
     assert int(both.true_length[0]) == 5
     assert int(res.tokens[0, 0]) == int(whole.tokens[0, 0])
-    np.testing.assert_allclose(both.cache.k[:, :, :, :5], whole.cache.k[:, :, :, :5], atol=1e-5)
+    key_axis = 4 if keys_positions_minor else 3
+    assert both.cache.k.shape[key_axis] == both.cache.v.shape[3] == 12  # 8 + 4 positions
+    for got, want, axis in zip(both.cache, whole.cache, (key_axis, 3), strict=True):
+        np.testing.assert_allclose(jax.lax.slice_in_dim(got, 0, 5, axis=axis),
+                                   jax.lax.slice_in_dim(want, 0, 5, axis=axis), atol=1e-5)
 
 
 def test_engine_properties_buckets_and_errors(setup):

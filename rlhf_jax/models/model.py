@@ -25,6 +25,7 @@ from rlhf_jax.models.transformer import (
     ValueModel,
     per_layer_params,
     stacked_params,
+    transposed_keys,
 )
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -201,12 +202,20 @@ class Model:
             return params["model"]["embed_tokens"]["embedding"], "vd"
         return params["lm_head"]["kernel"], "dv"
 
-    def init_cache(self, batch: int, length: int, dtype: Any = None) -> KVCache:
-        """Zeros of shape [L, B, K, S, H] in the compute dtype."""
+    def cache_shapes(self, batch: int, length: int) -> KVCache:
+        """`(shape, logical axes)` of the cache's keys and of its values: [L, B, K, S, H],
+        the keys [L, B, K, H, S] where `transposed_keys()` (see `KVCache`)."""
         c = self.cfg
-        shape = (c.num_hidden_layers, batch, c.num_key_value_heads, length, c.head_dim)
+        v = (c.num_hidden_layers, batch, c.num_key_value_heads, length, c.head_dim)
+        if not transposed_keys():
+            return KVCache((v, CACHE_AXES), (v, CACHE_AXES))
+        swap = lambda x: (*x[:3], x[4], x[3])
+        return KVCache((swap(v), swap(CACHE_AXES)), (v, CACHE_AXES))
+
+    def init_cache(self, batch: int, length: int, dtype: Any = None) -> KVCache:
+        """Zeros of `cache_shapes(batch, length)` in the compute dtype."""
         dt = DTYPES[self.dtype] if dtype is None else dtype
-        return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+        return KVCache(*(jnp.zeros(shape, dt) for shape, _ in self.cache_shapes(batch, length)))
 
     def decode(self, params, input_ids_bt, positions_bt, cache: KVCache, write_index_b,
                kv_mask_bs=None):

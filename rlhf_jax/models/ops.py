@@ -178,16 +178,18 @@ def key_classes(s: int, step: int | None) -> tuple[int, ...]:
     return tuple(range(step, s, step))
 
 
-def over_cache_prefix(fn, k_bksh, v_bksh, mask_bts, newest_b):
+def over_cache_prefix(fn, k_bksh, v_bksh, mask_bts, newest_b, key_axis: int = 2):
     """`fn(k, v, mask)` over the first P cache positions, P from `CACHE_STEP` and the newest
     key any row holds (`newest_b`, [B] positions) by a `lax.switch`; `fn` must not read keys
-    the mask does not allow, so that every branch gives the full cache's result."""
-    prefixes = key_classes(k_bksh.shape[2], CACHE_STEP)
+    the mask does not allow, so that every branch gives the full cache's result. The keys'
+    positions lie on `key_axis` (3: keys [B, K, H, S]), the values' on axis 2."""
+    prefixes = key_classes(v_bksh.shape[2], CACHE_STEP)
     if not prefixes:
         return fn(k_bksh, v_bksh, mask_bts)
     index = jnp.searchsorted(jnp.asarray(prefixes, jnp.int32),
                              jnp.max(newest_b).astype(jnp.int32) + 1)
-    branches = [lambda k, v, m, p=p: fn(k[:, :, :p], v[:, :, :p], m[..., :p])
+    branches = [lambda k, v, m, p=p: fn(jax.lax.slice_in_dim(k, 0, p, axis=key_axis),
+                                        v[:, :, :p], m[..., :p])
                 for p in prefixes]
     return jax.lax.switch(index, [*branches, fn], k_bksh, v_bksh, mask_bts)
 
@@ -270,19 +272,64 @@ def _dense_bwd(q, k, v, m, top, total, out, d_out, scale, dtype, block):
     return _unblocks(dq, 3, q.shape[3]), dk, dv
 
 
+# Causal full-sequence attention longer than CAUSAL_BLOCK queries runs them in blocks of at
+# least that many, at most CAUSAL_MAX_BLOCKS, each block over the keys up to its last query
+# only (`causal_plan`). At 640 tokens on CPU (2 KV heads x 2 queries each, head dim 64),
+# forward and backward: 14.3 ms in one block, 9.4 ms in 3 (68 % of the score square), 8.8 ms
+# in 5 blocks of 128, whose compilation takes twice as long.
+CAUSAL_BLOCK = 256
+CAUSAL_MAX_BLOCKS = 4
+
+
+def causal_plan(t: int, s: int, offset: int, block: int | None = None):
+    """Static `(first query, end query, end key)` blocks of a causal attention whose query i
+    sits at key position `offset + i` (and so reads no key past it), or None when one block
+    over all keys is the plan. None too where the byte budget's blocks (`block`, from
+    `attention_block`) are shorter than a causal block: those run under `lax.map`."""
+    size = max(CAUSAL_BLOCK, -(-t // CAUSAL_MAX_BLOCKS))
+    if block is not None and block < min(size, t):
+        return None
+    plan = tuple((a, min(a + size, t), min(s, offset + min(a + size, t)))
+                 for a in range(0, t, size))
+    return None if plan == ((0, t, s),) else plan
+
+
+def _causal_fwd(q, k, v, m, scale, dtype, plan):
+    """`_dense_fwd` by the blocks of `plan`, each over its keys only."""
+    parts = [_block_fwd(q[:, :, :, a:b], k[:, :, :e], v[:, :, :e], m[:, a:b, :e], scale, dtype)
+             for a, b, e in plan]
+    return tuple(jnp.concatenate(x, axis=3) for x in zip(*parts, strict=True))
+
+
+def _causal_bwd(q, k, v, m, top, total, out, d_out, scale, dtype, plan):
+    """dq, dk, dv of `_causal_fwd`: each block's, dk and dv summed over the blocks."""
+    dqs, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    s = k.shape[2]
+    for a, b, e in plan:
+        dq, dk_e, dv_e = _block_bwd(q[:, :, :, a:b], k[:, :, :e], v[:, :, :e], m[:, a:b, :e],
+                                    top[..., a:b], total[..., a:b], out[:, :, :, a:b],
+                                    d_out[:, :, :, a:b], scale, dtype)
+        pad = ((0, 0), (0, 0), (0, s - e), (0, 0))
+        dqs, dk, dv = [*dqs, dq], dk + jnp.pad(dk_e, pad), dv + jnp.pad(dv_e, pad)
+    return jnp.concatenate(dqs, axis=3), dk, dv
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _attention(q, k, v, m, scale, dtype, block):
-    return _dense_fwd(q, k, v, m, scale, dtype, block)[0]
+    return _attention_fwd(q, k, v, m, scale, dtype, block)[0]
 
 
 def _attention_fwd(q, k, v, m, scale, dtype, block):
-    out, top, total = _dense_fwd(q, k, v, m, scale, dtype, block)
+    """`block`: queries per block (`lax.map`), None (one block) or a `causal_plan`."""
+    fwd = _causal_fwd if isinstance(block, tuple) else _dense_fwd
+    out, top, total = fwd(q, k, v, m, scale, dtype, block)
     return out, (q, k, v, m, top, total, out)
 
 
 def _attention_bwd(scale, dtype, block, res, d_out):
     q, k, v, m, top, total, out = res
-    dq, dk, dv = _dense_bwd(q, k, v, m, top, total, out, d_out, scale, dtype, block)
+    bwd = _causal_bwd if isinstance(block, tuple) else _dense_bwd
+    dq, dk, dv = bwd(q, k, v, m, top, total, out, d_out, scale, dtype, block)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
@@ -290,7 +337,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, dtype,
-              block: int | None = None):
+              block: int | None = None, causal_offset: int | None = None):
     """Masked softmax attention, `softmax(q k^T * scale) v` over the keys `mask_bts` allows:
     [B, K, G, T, H] from queries [B, K, G, T, H] and keys / values [B, K, S, H].
 
@@ -304,10 +351,17 @@ def attention(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, dtype,
     row's softmax is the same computation as in one block. A query the mask allows no key
     gets the mean of all values (and no gradient through its scores), as with a softmax over
     scores set to a large negative number.
+
+    `causal_offset` (static): the mask is causal, query i reading no key past position
+    `causal_offset + i`. Queries then run in blocks (`causal_plan`), each over the keys up
+    to its last query only, with the same softmax over the keys the mask allows; a query
+    that may read no key gets the mean of the values its block reads.
     """
     dtype = jnp.dtype(dtype)
     q_bkgth = q_bkgth.astype(dtype)
     k_bksh, v_bksh = k_bksh.astype(dtype), v_bksh.astype(dtype)
     if block is not None and block >= q_bkgth.shape[3]:
         block = None
+    if causal_offset is not None:
+        block = causal_plan(q_bkgth.shape[3], k_bksh.shape[2], causal_offset, block) or block
     return _attention(q_bkgth, k_bksh, v_bksh, mask_bts, scale, dtype, block)

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from rlhf_jax.errors import ConfigError, DataError
 from rlhf_jax.mesh import Rules, logical_to_pspec
-from rlhf_jax.models.model import CACHE_AXES, Model
+from rlhf_jax.models.model import Model
 from rlhf_jax.models.transformer import KVCache
 from rlhf_jax.rollout.engine_programs import EnginePrograms
 from rlhf_jax.rollout.program_cache import ProgramCache
@@ -127,12 +127,11 @@ class Engine(EnginePrograms, ProgramCache):
         return NamedSharding(self._mesh, logical_to_pspec(names, shape, self._mesh, self.rules))
 
     def _prefix_shardings(self, b: int, t: int, m: int = 1) -> Prefix:
-        c = self.model.cfg
-        cache_shape = (c.num_hidden_layers, b, c.num_key_value_heads, t, c.head_dim)
-        cache = self._sharding(CACHE_AXES, cache_shape)
+        cache = KVCache(*(self._sharding(axes, shape)
+                          for shape, axes in self.model.cache_shapes(b, t)))
         row = self._sharding(("cache_batch",), (b,))
         bm = self._sharding(("cache_batch", None), (b, m))
-        return Prefix(KVCache(cache, cache), row, row, bm, bm, bm, bm)
+        return Prefix(cache, row, row, bm, bm, bm, bm)
 
     def _result_shardings(self, b: int, t: int) -> ResultTokens:
         bt = self._sharding(("cache_batch", None), (b, t))
@@ -140,15 +139,13 @@ class Engine(EnginePrograms, ProgramCache):
 
     def decode_state_shardings(self, slots: int | None = None) -> DecodeState:
         """Shardings of the decode state (of `slots` slots; default: the engine's)."""
-        c, s, r = self.model.cfg, slots or self._slots, self.max_decode_length
-        cache_shape = (c.num_hidden_layers, s, c.num_key_value_heads, self.cache_length,
-                       c.head_dim)
-        cache = self._sharding(CACHE_AXES, cache_shape)
+        s, r = slots or self._slots, self.max_decode_length
+        cache = KVCache(*(self._sharding(axes, shape)
+                          for shape, axes in self.model.cache_shapes(s, self.cache_length)))
         row = self._sharding(("cache_batch",), (s,))
         rows = self._sharding(("cache_batch", None), (s, r))
         rep = NamedSharding(self._mesh, P())
-        return DecodeState(KVCache(cache, cache), row, row, row, row, row, rows, rows, rows,
-                           rep, rep, row)
+        return DecodeState(cache, row, row, row, row, row, rows, rows, rows, rep, rep, row)
 
     def get_prefix_destination_sharding(self, batch: int = 1, length: int | None = None,
                                         num_samples: int = 1):
@@ -336,7 +333,7 @@ class Engine(EnginePrograms, ProgramCache):
             tokens = tokens[None]
         b, t = tokens.shape
         lengths = np.broadcast_to(np.asarray(true_length, np.int32), (b,)).copy()
-        t0 = 0 if existing_prefix is None else existing_prefix.cache.k.shape[3]
+        t0 = 0 if existing_prefix is None else existing_prefix.cache.length
         if existing_prefix is None and t > self._max_prefill:
             raise DataError(f"prefill of {t} tokens exceeds max_prefill_length "
                             f"{self._max_prefill}")
@@ -400,7 +397,7 @@ class Engine(EnginePrograms, ProgramCache):
                      rows=None, samples=None, max_lengths=None):
         """`(key, build, args)` of `bulk_insert(...)`."""
         k = len(slots)
-        b, t = prefix.cache.k.shape[1], prefix.cache.k.shape[3]
+        b, t = prefix.cache.v.shape[1], prefix.cache.length
         m = prefix.tokens.shape[1]
         if k > self._slots:
             raise ConfigError(f"bulk_insert of {k} slots into {self._slots}")

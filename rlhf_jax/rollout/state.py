@@ -64,7 +64,7 @@ class Prefix:
     `(rng, request id, 0)` and `done` says whether it already ends the response.
     """
 
-    cache: KVCache  # [L, b, K, T, H]
+    cache: KVCache  # [L, b, K, T, H] (keys [L, b, K, H, T] on CPU: `transposed_keys`)
     true_length: Any  # [b] int32 tokens in the cache
     request_id: Any  # [b] int32 request of sample 0
     tokens: Any  # [b, m] int32 first response token
@@ -84,7 +84,7 @@ class DecodeState:
     `max_length` is the request's own response-length limit (at most the sampler's).
     """
 
-    cache: KVCache  # [L, S, K, C, H]
+    cache: KVCache  # [L, S, K, C, H] (keys [L, S, K, H, C] on CPU: `transposed_keys`)
     tokens: Any  # [S] int32
     write_index: Any  # [S] int32
     generated: Any  # [S] int32
