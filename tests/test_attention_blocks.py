@@ -107,8 +107,8 @@ def test_causal_plan():
     assert ops.causal_plan(2048, 2048, 0) == tuple((a, a + 512, a + 512)
                                                   for a in range(0, 2048, 512))
     assert ops.causal_plan(256, 256, 0) is None  # the tiny runs and workload 1: one block
-    assert ops.causal_plan(200, 640, 100) == ((0, 200, 300),)  # a query slice: fewer keys
-    assert ops.causal_plan(200, 640, 440) is None
+    assert ops.causal_plan(200, 640, 100) is None  # one block, even over fewer keys
+    assert ops.causal_plan(300, 640, 100) == ((0, 256, 356), (256, 300, 400))  # a query slice
     assert ops.causal_plan(640, 640, 0, block=100) is None  # `lax.map` blocks instead
     assert ops.causal_plan(640, 640, 0, block=300) is not None
 

@@ -283,15 +283,15 @@ CAUSAL_MAX_BLOCKS = 4
 
 def causal_plan(t: int, s: int, offset: int, block: int | None = None):
     """Static `(first query, end query, end key)` blocks of a causal attention whose query i
-    sits at key position `offset + i` (and so reads no key past it), or None when one block
-    over all keys is the plan. None too where the byte budget's blocks (`block`, from
+    sits at key position `offset + i` (and so reads no key past it), or None (one block over
+    all keys) for at most `CAUSAL_BLOCK` queries: a short sequence keeps the program, and the
+    rounding, it had. None too where the byte budget's blocks (`block`, from
     `attention_block`) are shorter than a causal block: those run under `lax.map`."""
     size = max(CAUSAL_BLOCK, -(-t // CAUSAL_MAX_BLOCKS))
-    if block is not None and block < min(size, t):
+    if t <= size or (block is not None and block < size):
         return None
-    plan = tuple((a, min(a + size, t), min(s, offset + min(a + size, t)))
+    return tuple((a, min(a + size, t), min(s, offset + min(a + size, t)))
                  for a in range(0, t, size))
-    return None if plan == ((0, t, s),) else plan
 
 
 def _causal_fwd(q, k, v, m, scale, dtype, plan):
