@@ -21,7 +21,7 @@ from rlhf_jax.models import model as model_module
 from rlhf_jax.models.hf_io import load_hf_model, save_hf
 from rlhf_jax.models.model import UNROLL_MAX_LAYERS
 from rlhf_jax.models.ops import rope_table
-from rlhf_jax.models.transformer import per_layer_params, stacked_params
+from rlhf_jax.models.stacking import per_layer_params, stacked_params
 
 GOLDEN = Path(__file__).parent / "golden" / "param_specs.json"
 

@@ -11,7 +11,7 @@ from scipy import stats
 from rlhf_jax.errors import ConfigError, DataError
 from rlhf_jax.mesh import load_mesh_spec, make_mesh
 from rlhf_jax.models import KVCache, Model, ModelConfig
-from rlhf_jax.models.transformer import per_layer_params
+from rlhf_jax.models.stacking import per_layer_params
 from rlhf_jax.rollout import Engine, SamplingParams, default_buckets, filter_logits, sample_tokens
 from rlhf_jax.rollout.sampling import request_keys
 

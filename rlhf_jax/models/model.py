@@ -19,14 +19,8 @@ import jax.numpy as jnp
 
 from rlhf_jax.mesh import Rules, activation_rules, tree_shardings
 from rlhf_jax.models.config import ModelConfig
-from rlhf_jax.models.transformer import (
-    CausalLM,
-    KVCache,
-    ValueModel,
-    per_layer_params,
-    stacked_params,
-    transposed_keys,
-)
+from rlhf_jax.models.stacking import KVCache, per_layer_params, stacked_params
+from rlhf_jax.models.transformer import CausalLM, ValueModel, transposed_keys
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 CACHE_AXES = ("layers", "cache_batch", "cache_heads", "cache_length", "head_dim")

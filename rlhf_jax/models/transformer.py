@@ -10,7 +10,7 @@ D model width, N query heads, K kv heads, G = N / K, H head dim, F mlp width, V 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -31,69 +31,7 @@ from rlhf_jax.models.ops import (
     sliding_window_mask,
 )
 from rlhf_jax.models.rope import rope_frequencies
-
-
-class KVCache(NamedTuple):
-    """Keys and values of every layer: `v` of shape [L, B, K, S, H], `k` the same or, where
-    `transposed_keys()` (CPU), [L, B, K, H, S].
-
-    Heads before positions, so that a layer's block is what the attention contractions read
-    (batch dims B, K leading), with no transpose of the cache per step. On CPU a decode
-    step's scores `q . k` then sum over the keys' second-minor axis with the positions
-    vectorised, rather than over the minor H of each position: 1.35 against 2.14 ms a layer
-    and step (32 slots, 640 positions, head dim 64).
-
-    A decode loop carries the cache `per_layer()`: `k`, `v` as tuples of L arrays, each its
-    own buffer. The layers then run one after another (unrolled) and each writes its new
-    keys into, and attends over, its block in place; a block of the stacked array is copied
-    out at every step on CPU (XLA materialises its slice), which costs more memory traffic
-    than the attention itself. `stacked()` goes back.
-    """
-
-    k: Any
-    v: Any
-
-    @property
-    def length(self) -> int:
-        """S, the positions the cache holds."""
-        return (self.v[0] if isinstance(self.v, tuple) else self.v).shape[-2]
-
-    def per_layer(self) -> KVCache:
-        return KVCache(*(tuple(c[i] for i in range(c.shape[0])) for c in self))
-
-    def stacked(self) -> KVCache:
-        return KVCache(*(jnp.stack(c) for c in self))
-
-
-def per_layer_params(params):
-    """`params` of a `CausalLM` / `ValueModel` with the scanned layer stack split into a tuple
-    of L per-layer subtrees; the forward then runs its layers unrolled, each reading its own
-    weights where they lie. A decode loop over a `per_layer()` cache closes over this form
-    (a slice of the stacked arrays taken inside the loop is copied out at every step on
-    CPU), and so does a training step that unrolls its layers (`stacked_params` puts the
-    gradients back). Idempotent."""
-    layers = params["model"]["layers"]
-    if isinstance(layers, tuple):
-        return params
-    return {**params, "model": {**params["model"], "layers": _layer_slices(layers)}}
-
-
-def _layer_slices(layers):
-    """A stacked layer subtree ([L, ...] leaves) as a tuple of L subtrees; a tuple as is."""
-    if isinstance(layers, tuple):
-        return layers
-    n = jax.tree.leaves(layers)[0].shape[0]
-    return tuple(jax.tree.map(lambda p, i=i: p[i], layers) for i in range(n))
-
-
-def stacked_params(params):
-    """The inverse of `per_layer_params` (any tree of that structure, e.g. its gradients):
-    the layer stack as [L, ...] arrays again. Idempotent."""
-    layers = params["model"]["layers"]
-    if not isinstance(layers, tuple):
-        return params
-    stacked = jax.tree.map(lambda *p: jnp.stack(p), *layers)
-    return {**params, "model": {**params["model"], "layers": stacked}}
+from rlhf_jax.models.stacking import KVCache, layer_slices
 
 
 def _dense_init(names):
@@ -143,6 +81,12 @@ def transposed_keys() -> bool:
     if TRANSPOSED_KEYS is not None:
         return TRANSPOSED_KEYS
     return jax.default_backend() == "cpu"
+
+
+def cache_position_axes() -> tuple[int, int]:
+    """The positions' axis of the stacked cache's keys and of its values: 3 ([L, B, K, S, H]),
+    the keys' 4 where `transposed_keys()` ([L, B, K, H, S])."""
+    return (4 if transposed_keys() else 3), 3
 
 
 def _write(cache, new_btkh, layer, write_index_b, transposed: bool = False):
@@ -256,12 +200,9 @@ class Attention(nn.Module):
             # `decode_as_products`).
             def attend(k_bksh, v_bksh, q_mask_bts):
                 q_bkgh = q_bkgth[:, :, :, 0].astype(jnp.float32)
-                if keys_t:  # [B, K, H, S]: the sum runs over H with S vectorised
-                    scores = jnp.sum(q_bkgh[..., None] * k_bksh[:, :, None]
-                                     .astype(jnp.float32), axis=-2)[:, :, :, None]
-                else:
-                    scores = jnp.sum(q_bkgh[:, :, :, None] * k_bksh[:, :, None]
-                                     .astype(jnp.float32), axis=-1)[:, :, :, None]
+                k_bk1xx = k_bksh[:, :, None].astype(jnp.float32)
+                scores = (jnp.sum(q_bkgh[..., None] * k_bk1xx, axis=-2) if keys_t  # over H
+                          else jnp.sum(q_bkgh[:, :, :, None] * k_bk1xx, axis=-1))[:, :, :, None]
                 scores = jnp.where(q_mask_bts[:, None, None], scores * (h**-0.5), NEG_INF)
                 probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
                 out_bkgh = jnp.sum(probs[:, :, :, 0, :, None].astype(jnp.float32)
@@ -412,7 +353,7 @@ class Backbone(nn.Module):
         its block is a [1, B, K, S, H] view of its own buffer (index 0: no copy, the write in
         place). A stacked cache goes in per layer and comes back stacked. The last layer
         gets `last_query_slice` (no cache) as its `query_slice`."""
-        per_layer = _layer_slices(self.layers.variables["params"])
+        per_layer = layer_slices(self.layers.variables["params"])
         layer = DecoderLayer(self.cfg, self.dtype, self.param_dtype, parent=None)
 
         def runner(query_slice):

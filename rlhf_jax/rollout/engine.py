@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from rlhf_jax.errors import ConfigError, DataError
 from rlhf_jax.mesh import Rules, logical_to_pspec
 from rlhf_jax.models.model import Model
-from rlhf_jax.models.transformer import KVCache
+from rlhf_jax.models.stacking import KVCache
 from rlhf_jax.rollout.engine_programs import EnginePrograms
 from rlhf_jax.rollout.program_cache import ProgramCache
 from rlhf_jax.rollout.reshard import reshard

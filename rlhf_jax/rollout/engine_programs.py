@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from rlhf_jax.mesh import activation_rules
 from rlhf_jax.models.model import cache_mask
-from rlhf_jax.models.transformer import KVCache, per_layer_params, transposed_keys
+from rlhf_jax.models.stacking import KVCache, per_layer_params
+from rlhf_jax.models.transformer import cache_position_axes
 from rlhf_jax.rollout.sampling import SamplingParams, is_eos, request_keys, sample_tokens
 from rlhf_jax.rollout.state import DecodeState, Prefix, ResultTokens
 
@@ -46,9 +47,8 @@ class EnginePrograms:
             if existing is None:
                 cache, start_b = zeros, jnp.zeros((b,), jnp.int32)
             else:
-                keys_t = transposed_keys()  # keys [L, b, K, H, T]: positions on axis 4
                 cache = KVCache(*(jnp.concatenate([old, new], axis=axis) for old, new, axis
-                                  in zip(existing.cache, zeros, (4 if keys_t else 3, 3),
+                                  in zip(existing.cache, zeros, cache_position_axes(),
                                          strict=True)))
                 start_b = existing.true_length
             positions_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
@@ -95,12 +95,11 @@ class EnginePrograms:
             def put_first(x, v_k, fill):
                 return put(x, jnp.where(first_kr, v_k[:, None], fill).astype(x.dtype))
 
-            keys_t = transposed_keys()  # keys [L, S, K, H, C]
-            cache = KVCache(
-                (state.cache.k.at[:, slots_k, :, :, :t] if keys_t
-                 else state.cache.k.at[:, slots_k, :, :t]).set(prefix.cache.k[:, rows_k],
-                                                              mode="drop"),
-                state.cache.v.at[:, slots_k, :, :t].set(prefix.cache.v[:, rows_k], mode="drop"))
+            # the prefix's T positions into the slots, on each array's positions axis
+            at = lambda axis: (slice(None), slots_k, *[slice(None)] * (axis - 2), slice(None, t))
+            cache = KVCache(*(
+                c.at[at(axis)].set(p[:, rows_k], mode="drop") for c, p, axis
+                in zip(state.cache, prefix.cache, cache_position_axes(), strict=True)))
             return dataclasses.replace(
                 state, cache=cache, tokens=put(state.tokens, pick(prefix.tokens)),
                 write_index=put(state.write_index, prefix.true_length[rows_k]),

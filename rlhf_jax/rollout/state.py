@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from rlhf_jax.models.transformer import KVCache
+from rlhf_jax.models.stacking import KVCache
 
 
 @struct.dataclass
