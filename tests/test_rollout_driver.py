@@ -395,9 +395,10 @@ def test_compaction_only_for_long_responses_and_precompiled(model, params, promp
 def test_both_key_layouts_give_the_same_rollout(model, params, prompts, mesh_name,
                                                  monkeypatch):
     """The KV cache's keys stored [L, S, K, H, C] (CPU's, `transposed_keys`) and
-    [L, S, K, C, H] (the accelerators') give the same tokens and log-probs, on either mesh:
-    prefill, insert, decode over cache prefixes of 4, 8, .. 24 positions, and the slots
-    compacted as responses end at their own lengths."""
+    [L, S, K, C, H] (the accelerators'), and the decode loop's cache blocks whole (a prefix
+    sliced out) or in chunks of 4 positions (CPU's, `decode_chunks`), give the same tokens
+    and log-probs, on either mesh: prefill, insert, decode over cache prefixes of 4, 8, .. 24
+    positions, and the slots compacted as responses end at their own lengths."""
     from rlhf_jax.models import ops, transformer
 
     mesh, spec = _mesh(mesh_name)
@@ -405,8 +406,9 @@ def test_both_key_layouts_give_the_same_rollout(model, params, prompts, mesh_nam
     p = on_mesh(model, params, mesh_name)
     limits = np.arange(len(prompts[0]) * 2) % R + 1
 
-    def run(transposed):
+    def run(transposed, chunked=False):
         monkeypatch.setattr(transformer, "TRANSPOSED_KEYS", transposed)
+        monkeypatch.setattr(transformer, "CHUNKED_DECODE", chunked)
         e = Engine(model, mesh, spec.generate_rules, max_concurrent_decodes=8,
                    max_prefill_length=16, max_decode_length=R, prefill_buckets=(8, 16),
                    compiler_options=FAST_COMPILE, compact_min_length=1)
@@ -415,12 +417,15 @@ def test_both_key_layouts_give_the_same_rollout(model, params, prompts, mesh_nam
         state = e.init_decode_state()
         return out, state.cache.k.shape, state.cache.v.shape
 
-    (want, k_want, v), (got, k_got, v_got) = run(False), run(True)
+    (want, k_want, v), (got, k_got, v_got) = run(False), run(True, chunked=True)
     assert k_want == v == v_got and k_got == (*v[:3], v[4], v[3])
-    assert got.stats["rollout/compactions"] > 0
-    assert np.all(got.response_lengths <= limits) and got.response_lengths.max() > 4
-    np.testing.assert_array_equal(got.responses, want.responses)
-    np.testing.assert_allclose(got.rollout_log_probs, want.rollout_log_probs, atol=1e-5, rtol=0)
+    assert transformer.decode_chunks(v[3]) == (4, 8, 12, 16, 20, 24)  # chunks while decoding
+    for out in (got, run(False, chunked=True)[0]):
+        assert out.stats["rollout/compactions"] > 0
+        assert np.all(out.response_lengths <= limits) and out.response_lengths.max() > 4
+        np.testing.assert_array_equal(out.responses, want.responses)
+        np.testing.assert_allclose(out.rollout_log_probs, want.rollout_log_probs, atol=1e-5,
+                                   rtol=0)
 
 
 @pytest.mark.parametrize("mesh_name", ["single", "cpu-8"])

@@ -268,6 +268,21 @@ def test_per_layer_cache_decodes_like_the_stacked_one(setup):
         for got, want in zip(got_cache.stacked(), want_cache, strict=True):
             np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
     assert not np.allclose(want_cache.k, cache.k)  # the step wrote something
+    # CPU's decode loop holds each block in chunks of positions (`decode_chunks`): the rows
+    # write into chunks 0 and 1 and attend over chunks 0, 0-1 and 0-2 (a `lax.switch`)
+    axes = (4, 3)  # the positions of the stacked keys [L, B, K, H, S] and values
+    for chunks, last in (((4, 8), 2), ((8,), 1), ((4,), 1)):
+        split_cache = cache.per_layer(chunks, axes)
+        assert split_cache.length == 12 and len(split_cache.v[0]) == len(chunks) + 1
+        for got, want in zip(split_cache.stacked(axes), cache, strict=True):
+            np.testing.assert_array_equal(got, want)
+        for w in (wi, jnp.minimum(wi, chunks[0] - 1)):  # the newest key in the last or first
+            want_logits, want_cache = step(params, ids, w[:, None], cache, w)
+            got_logits, got_cache = step(split, ids, w[:, None], split_cache, w)
+            assert got_cache.v[1][last].shape[2] == 12 - chunks[-1]
+            np.testing.assert_allclose(got_logits, want_logits, atol=1e-5, rtol=0)
+            for got, want in zip(got_cache.stacked(axes), want_cache, strict=True):
+                np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
 
 
 def test_one_token_decode_as_products_equals_the_contraction(setup, monkeypatch, request):

@@ -178,12 +178,17 @@ def key_classes(s: int, step: int | None) -> tuple[int, ...]:
     return tuple(range(step, s, step))
 
 
+def cache_classes(s: int) -> tuple[int, ...]:
+    """The key counts of `over_cache_prefix` for a cache of `s` positions."""
+    return key_classes(s, CACHE_STEP)
+
+
 def over_cache_prefix(fn, k_bksh, v_bksh, mask_bts, newest_b, key_axis: int = 2):
     """`fn(k, v, mask)` over the first P cache positions, P from `CACHE_STEP` and the newest
     key any row holds (`newest_b`, [B] positions) by a `lax.switch`; `fn` must not read keys
     the mask does not allow, so that every branch gives the full cache's result. The keys'
     positions lie on `key_axis` (3: keys [B, K, H, S]), the values' on axis 2."""
-    prefixes = key_classes(v_bksh.shape[2], CACHE_STEP)
+    prefixes = cache_classes(v_bksh.shape[2])
     if not prefixes:
         return fn(k_bksh, v_bksh, mask_bts)
     index = jnp.searchsorted(jnp.asarray(prefixes, jnp.int32),
@@ -192,6 +197,46 @@ def over_cache_prefix(fn, k_bksh, v_bksh, mask_bts, newest_b, key_axis: int = 2)
                                         v[:, :, :p], m[..., :p])
                 for p in prefixes]
     return jax.lax.switch(index, [*branches, fn], k_bksh, v_bksh, mask_bts)
+
+
+def chunk_edges(chunks, axis: int = 2) -> list[int]:
+    """The first position of each chunk of a cache block split along its positions (axis
+    `axis` of each chunk, 2 for values [B, K, C, H]), and the block's length last."""
+    edges = [0]
+    for c in chunks:
+        edges.append(edges[-1] + c.shape[axis])
+    return edges
+
+
+def over_cache_chunks(q_bkgth, k_chunks, v_chunks, mask_bts, newest_b, scale, dtype,
+                      keys_transposed: bool):
+    """One decode step's attention over a cache block held as chunks along its positions
+    (keys [B, K, C, H], or [B, K, H, C] where `keys_transposed`; values [B, K, C, H]), each
+    chunk its own buffer: a `lax.switch` on the newest key any row holds (`newest_b`, [B])
+    reads the chunks up to it, each where it lies. A prefix sliced out of one buffer is a
+    copy on CPU at every step, which costs more than the attention; the scores of the chunks
+    are joined (a few KB) for one softmax instead. Output [B, K, G, T, H] in `dtype`."""
+    edges = chunk_edges(v_chunks)
+    spec = "BKGTH,BKHS->BKGTS" if keys_transposed else "BKGTH,BKSH->BKGTS"
+
+    def over(n):
+        def attend(ks, vs, m):
+            s = jnp.concatenate([jnp.einsum(spec, q_bkgth, k, preferred_element_type=jnp.float32)
+                                 for k in ks[:n]], axis=-1) * scale
+            s = jnp.where(m[:, None, None, :, :edges[n]], s, NEG_INF)
+            p = jax.nn.softmax(s, axis=-1).astype(dtype)
+            out = sum(jnp.einsum("BKGTS,BKSH->BKGTH", p[..., lo:hi], v,
+                                 preferred_element_type=jnp.float32)
+                      for lo, hi, v in zip(edges, edges[1:n + 1], vs[:n], strict=False))
+            return out.astype(dtype)
+
+        return attend
+
+    index = jnp.searchsorted(jnp.asarray(edges[1:], jnp.int32),
+                             jnp.max(newest_b).astype(jnp.int32) + 1)
+    index = jnp.minimum(index, len(v_chunks) - 1)
+    return jax.lax.switch(index, [over(n) for n in range(1, len(v_chunks) + 1)],
+                          tuple(k_chunks), tuple(v_chunks), mask_bts)
 
 
 def _scores(q, k, m, scale):

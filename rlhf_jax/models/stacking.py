@@ -5,6 +5,7 @@ cache."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -25,7 +26,10 @@ class KVCache(NamedTuple):
     own buffer. The layers then run one after another (unrolled) and each writes its new
     keys into, and attends over, its block in place; a block of the stacked array is copied
     out at every step on CPU (XLA materialises its slice), which costs more memory traffic
-    than the attention itself. `stacked()` goes back.
+    than the attention itself. On CPU each block is further held in chunks of positions
+    (`per_layer(chunks)`, `transformer.decode_chunks`), so that the attention over the used
+    prefix reads whole chunks where they lie instead of a prefix sliced out of the block.
+    `stacked()` goes back.
     """
 
     k: Any
@@ -34,13 +38,26 @@ class KVCache(NamedTuple):
     @property
     def length(self) -> int:
         """S, the positions the cache holds."""
-        return (self.v[0] if isinstance(self.v, tuple) else self.v).shape[-2]
+        v = self.v[0] if isinstance(self.v, tuple) else self.v
+        return sum(c.shape[-2] for c in v) if isinstance(v, tuple) else v.shape[-2]
 
-    def per_layer(self) -> KVCache:
-        return KVCache(*(tuple(c[i] for i in range(c.shape[0])) for c in self))
+    def per_layer(self, chunks: Sequence[int] = (), axes: tuple[int, int] = (3, 3)) -> KVCache:
+        """Each layer's block its own buffer (`k`, `v` tuples of L arrays); with `chunks`
+        (positions), each block further split there along its positions (axes `axes` of the
+        stacked keys and values): tuples of L tuples of chunks, each its own buffer."""
+        def split(x, axis):
+            edges = (0, *chunks, x.shape[axis])
+            return tuple(jax.lax.slice_in_dim(x, lo, hi, axis=axis)
+                         for lo, hi in zip(edges, edges[1:], strict=False))
 
-    def stacked(self) -> KVCache:
-        return KVCache(*(jnp.stack(c) for c in self))
+        return KVCache(*(tuple(split(c[i], a - 1) if chunks else c[i] for i in range(c.shape[0]))
+                         for c, a in zip(self, axes, strict=True)))
+
+    def stacked(self, axes: tuple[int, int] = (3, 3)) -> KVCache:
+        """The inverse of `per_layer` (with the same `axes`)."""
+        whole = lambda x, a: jnp.concatenate(x, axis=a - 1) if isinstance(x, tuple) else x
+        return KVCache(*(jnp.stack([whole(x, a) for x in c])
+                         for c, a in zip(self, axes, strict=True)))
 
 
 def per_layer_params(params):

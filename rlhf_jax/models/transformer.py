@@ -23,8 +23,11 @@ from rlhf_jax.models.ops import (
     NEG_INF,
     attention,
     attention_block,
+    cache_classes,
+    chunk_edges,
     dense_dot_general,
     gated_silu,
+    over_cache_chunks,
     over_cache_prefix,
     rope,
     rope_table,
@@ -83,6 +86,21 @@ def transposed_keys() -> bool:
     return jax.default_backend() == "cpu"
 
 
+# None: a decode loop holds each layer's cache block in chunks along its positions on CPU
+# (`decode_chunks`); True / False force it (the tests run both). Read when a program is traced.
+CHUNKED_DECODE: bool | None = None
+
+
+def decode_chunks(length: int) -> tuple[int, ...]:
+    """Where a decode loop splits each layer's cache block of `length` positions into chunks,
+    each its own buffer (`KVCache.per_layer`; `over_cache_chunks` reads them where they lie):
+    the `CACHE_STEP` classes of `over_cache_prefix`, on CPU, whose prefix slice of one buffer
+    is copied out at every step (32 slots, 640 positions: ~2 ms of a 7 ms step). None on
+    accelerators, where the slice fuses into its consumer."""
+    on = jax.default_backend() == "cpu" if CHUNKED_DECODE is None else CHUNKED_DECODE
+    return cache_classes(length) if on else ()
+
+
 def cache_position_axes() -> tuple[int, int]:
     """The positions' axis of the stacked cache's keys and of its values: 3 ([L, B, K, S, H]),
     the keys' 4 where `transposed_keys()` ([L, B, K, H, S])."""
@@ -102,6 +120,17 @@ def _write(cache, new_btkh, layer, write_index_b, transposed: bool = False):
     at = (cache.at[layer, rows_b1, :, :, positions_bt] if transposed
           else cache.at[layer, rows_b1, :, positions_bt])
     return at.set(new_btkh.astype(cache.dtype), mode="drop")
+
+
+def _write_chunks(chunks, new_btkh, layer, write_index_b, transposed: bool = False):
+    """`_write` into a block held as chunks along its positions: each chunk takes the rows
+    whose position falls in it (the others' writes are dropped)."""
+    out, edges = [], chunk_edges(chunks, 4 if transposed else 3)  # chunks [L, B, K, C, H]
+    for lo, hi, c in zip(edges, edges[1:], chunks, strict=False):
+        at = write_index_b - lo
+        at = jnp.where((at >= 0) & (at < hi - lo), at, hi - lo)  # past the chunk: dropped
+        out.append(_write(c, new_btkh, layer, at, transposed))
+    return tuple(out)
 
 
 class Embed(nn.Module):
@@ -190,10 +219,12 @@ class Attention(nn.Module):
             v_bksh = v_btkh.transpose(0, 2, 1, 3)
         else:
             k_btkh = rope(k_btkh, cos_bsh[:, :, None], sin_bsh[:, :, None])
-            new_cache = (_write(cache[0], k_btkh, layer, write_index, keys_t),
-                         _write(cache[1], v_btkh, layer, write_index))
-            # keys [B, K, S, H], or [B, K, H, S] where `keys_t`
-            k_bksh, v_bksh = (c[layer] for c in new_cache)
+            write = _write_chunks if isinstance(cache[0], tuple) else _write
+            new_cache = (write(cache[0], k_btkh, layer, write_index, keys_t),
+                         write(cache[1], v_btkh, layer, write_index))
+            # keys [B, K, S, H], or [B, K, H, S] where `keys_t`; chunks of them (`decode_chunks`)
+            k_bksh, v_bksh = (tuple(x[layer] for x in c) if isinstance(c, tuple) else c[layer]
+                              for c in new_cache)
         decode = cache is not None and t == 1 and decode_as_products()
         if decode:
             # One new token: products and sums over this layer's cache block (see
@@ -212,7 +243,10 @@ class Attention(nn.Module):
             attend = lambda k_bksh, v_bksh, q_mask_bts: attention(
                 q_bkgth, jnp.swapaxes(k_bksh, 2, 3) if keys_t else k_bksh, v_bksh,
                 q_mask_bts, h**-0.5, self.dtype)
-        if cache is not None:  # the cache's first positions, up to the newest key
+        if isinstance(v_bksh, tuple):  # a decode loop's cache in chunks (`decode_chunks`)
+            out_bkgth = over_cache_chunks(q_bkgth, k_bksh, v_bksh, q_mask_bts, write_index,
+                                          h**-0.5, self.dtype, keys_t)
+        elif cache is not None:  # the cache's first positions, up to the newest key
             out_bkgth = over_cache_prefix(attend, k_bksh, v_bksh, q_mask_bts,
                                           write_index + t - 1, key_axis=3 if keys_t else 2)
         else:  # the full sequence (train, log-probs) in query blocks when its scores are big
@@ -371,11 +405,14 @@ class Backbone(nn.Module):
             cache = cache.per_layer()
         ks, vs = (None, None) if cache is None else (list(cache.k), list(cache.v))
         last = self.cfg.num_hidden_layers - 1
+        # a layer's block, or its chunks (`decode_chunks`), with a layer axis of 1 and back
+        add = lambda c: tuple(x[None] for x in c) if isinstance(c, tuple) else c[None]
+        drop = lambda c: tuple(x[0] for x in c) if isinstance(c, tuple) else c[0]
         for i in range(self.cfg.num_hidden_layers):
-            kv = None if cache is None else (ks[i][None], vs[i][None])
+            kv = None if cache is None else (add(ks[i]), add(vs[i]))
             x_btd, kv = (run_last if i == last else run)(per_layer[i], x_btd, kv)
             if cache is not None:
-                ks[i], vs[i] = kv[0][0], kv[1][0]
+                ks[i], vs[i] = drop(kv[0]), drop(kv[1])
         if cache is None:
             return x_btd, None
         new_cache = KVCache(tuple(ks), tuple(vs))

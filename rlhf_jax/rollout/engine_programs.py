@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from rlhf_jax.mesh import activation_rules
 from rlhf_jax.models.model import cache_mask
 from rlhf_jax.models.stacking import KVCache, per_layer_params
-from rlhf_jax.models.transformer import cache_position_axes
+from rlhf_jax.models.transformer import cache_position_axes, decode_chunks
 from rlhf_jax.rollout.sampling import SamplingParams, is_eos, request_keys, sample_tokens
 from rlhf_jax.rollout.state import DecodeState, Prefix, ResultTokens
 
@@ -169,13 +169,16 @@ class EnginePrograms:
                              for b_, o in zip(bufs, outs, strict=True))
                 return i + 1, st, bufs
 
-            # Several steps carry the cache per layer (one split and one stack per call,
-            # no copy of a layer's block per step; see `KVCache`).
+            # Several steps carry the cache per layer, on CPU in chunks of positions (one
+            # split and one stack per call, no copy of a layer's block per step; see
+            # `KVCache`, `decode_chunks`).
+            axes = cache_position_axes()
             if k > 1:
-                state = dataclasses.replace(state, cache=state.cache.per_layer())
+                chunks = decode_chunks(self.cache_length)
+                state = dataclasses.replace(state, cache=state.cache.per_layer(chunks, axes))
             _, state, (tok, valid, lp, raw) = jax.lax.while_loop(cond, body, (0, state, bufs))
             if k > 1:
-                state = dataclasses.replace(state, cache=state.cache.stacked())
+                state = dataclasses.replace(state, cache=state.cache.stacked(axes))
             return state, ResultTokens(tok, valid, state.generated, lp, raw)
 
         st = self.decode_state_shardings()
