@@ -36,10 +36,11 @@ one accelerator, against a bfloat16 matmul peak (`--scale workload`, the default
 model in float32, sized for the 2-core CPU machine). `reshard` and `memory` need 8 devices:
 with fewer they run in a subprocess on 8 simulated CPU devices, at either scale.
 
-`all` keeps the whole set under 10 minutes on the 2-core machine by running a few of them
-shorter, as their module's `ALL_KW` says (named alone they run in full): `chunked_head` times
-its updates on 1 row, once each, with no warm-up call (they are compiled ahead; the memory
-figures stay those of 4 rows); `ppo` leaves out the bypass-mode trainer (`ppo.bypass.*`);
+`all` aims at 10 minutes on the 2-core machine (it took 11 min 36 s with `--trl-python` on an
+AMD EPYC, `packing` 213 s of it) by running a few of them shorter, as their module's
+`ALL_KW` says (named alone they run in full): `chunked_head` times its updates on 1 row,
+once each, with no warm-up call (they are compiled ahead; the memory figures stay those of
+4 rows); `ppo` leaves out the bypass-mode trainer (`ppo.bypass.*`);
 `async` measures 2 iterations after 1 warm-up in each part instead of 4; `packing` warms up
 with 1 iteration instead of 2; `rollout` times each path once. Each benchmark's settings are
 in its figures (`chunked_head.time_rows`, `packing.measured_iterations`, ...).

@@ -40,7 +40,7 @@ Real tokens of an iteration: the sum of p + L over its batch.
   `packing.cpu_steal_fraction` (as `ppo.cpu_steal_fraction`).
 
 2 warm-up + 3 measured iterations (WORKLOAD.md asks 5 measured: `run(repeats=5)`; 3 keep
-`bench.py all` under 10 minutes). `--scale 0.5b`: the Qwen2.5-0.5B architecture in bfloat16,
+`bench.py all` nearer its 10 minutes). `--scale 0.5b`: the Qwen2.5-0.5B architecture in bfloat16,
 the same sizes, 1 + 3.
 """
 
@@ -97,9 +97,9 @@ SMALL = dict(batch=4, prompt_min=4, prompt_len=8, response_median=4, response_mi
 # ... whose 8-token responses compact the slots too (the default starts at 32 tokens)
 SMALL_OVERRIDES = ("actor_rollout_ref.rollout.compact_slots_min_response_length=2",)
 # Per scale: (warm-up, measured). WORKLOAD.md's 5 measured iterations would add two of both
-# paths (~70 s on the idle 2-core machine), which `bench.py all`'s 10 minutes lack.
+# paths (~70 s on the idle 2-core machine), which `bench.py all`'s 10 minutes cannot spare.
 ITERATIONS = {"workload": (2, 3), "0.5b": (1, 3)}
-ALL_KW = dict(warmup=1)  # what `scripts/bench.py all` runs (its 10 minutes)
+ALL_KW = dict(warmup=1)  # what `scripts/bench.py all` runs (nearer its 10 minutes)
 
 
 def packed_overrides(budget: int) -> list[str]:
